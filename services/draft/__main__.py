@@ -1,0 +1,56 @@
+"""`python -m services.draft --help`: run the draft service (n-gram or model drafter)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tandem.cli import parse_settings
+from tandem.config import DraftSettings
+
+
+async def _serve(settings: DraftSettings) -> None:
+    from services.draft.drafters import Drafter, ModelDrafter, NgramDrafter
+    from services.draft.service import DraftService
+    from services.draft.servicer import DraftServicer
+    from tandem.grpc_server import EngineWorker, serve
+    from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+    worker = EngineWorker()
+    servicer = DraftServicer(worker)
+
+    async def load() -> None:
+        drafter: Drafter
+        n_vocab = n_ctx = None
+        if settings.drafter == "model":
+            from tandem.engine import Engine
+
+            engine = await worker.run(Engine, settings)
+            servicer.engine = engine
+            drafter = ModelDrafter(engine, settings.draft_support)
+            n_vocab, n_ctx = engine.n_vocab, engine.n_ctx
+        else:
+            drafter = NgramDrafter(settings.ngram_min, settings.ngram_max)
+        servicer.service = DraftService(drafter, settings.max_sessions, settings.session_idle_timeout_s, n_vocab, n_ctx)
+
+    async def expire() -> None:
+        if servicer.service is not None:
+            await worker.run(servicer.service.expire_idle)
+
+    await serve(
+        host=settings.host,
+        port=settings.port,
+        service_name="tandem.v1.Draft",
+        register=lambda server: pb_grpc.add_DraftServicer_to_server(servicer, server),
+        load=load,
+        periodic=expire,
+    )
+    worker.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = parse_settings(DraftSettings, argv)
+    asyncio.run(_serve(settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The gateway's FastAPI application factory: lifespan connects the services, routers serve the OpenAI API."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from services.gateway import chat, completions, errors
+from services.gateway.chat_template import ChatTemplate
+from services.gateway.errors import OpenAIError
+from services.gateway.serving import Serving, now
+from services.gateway.upstream import connect
+from tandem import __version__
+from tandem.config import GatewaySettings
+
+log = logging.getLogger(__name__)
+meta = APIRouter()
+
+
+@meta.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 when both upstreams are connected and checked; 503 (with Retry-After) until then."""
+    serving: Serving | None = getattr(request.app.state, "serving", None)
+    if serving is None:
+        failure = getattr(request.app.state, "startup_error", None)
+        body = {"status": "error" if failure else "loading"}
+        if failure:
+            body["error"] = failure
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+    info = serving.up.draft_info
+    return JSONResponse(
+        {
+            "status": "ok",
+            "target": {"model": serving.up.target_info.model_name, "device": serving.up.target_info.device},
+            "draft": {"drafter": info.drafter, "model": info.model_name, "device": info.device} if info else None,
+        }
+    )
+
+
+@meta.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    serving = _serving(request)
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [{"id": serving.model_name, "object": "model", "created": now(), "owned_by": "tandem"}],
+        }
+    )
+
+
+def _serving(request: Request) -> Serving:
+    serving = getattr(request.app.state, "serving", None)
+    if serving is None:
+        raise OpenAIError(503, "the model services are not ready yet", None, "loading")
+    return serving
+
+
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    settings = settings or GatewaySettings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.serving = None
+        app.state.startup_error = None
+
+        async def start() -> None:
+            try:
+                upstreams = await connect(settings.target, settings.draft or None, settings.startup_timeout_s)
+            except Exception as exc:
+                app.state.startup_error = str(exc)
+                log.error("gateway start-up failed: %s", exc)
+                return
+            info = upstreams.target_info
+            app.state.chat_template = ChatTemplate(info.chat_template, info.bos_text, info.eos_text)
+            app.state.upstreams = upstreams
+            app.state.serving = Serving(upstreams, settings)
+            log.info("gateway ready: serving %s", app.state.serving.model_name)
+            print(f"tandem: gateway ready on http://{settings.host}:{settings.port}/v1", flush=True)
+
+        starter = asyncio.create_task(start())
+        try:
+            yield
+        finally:
+            starter.cancel()
+            upstreams = getattr(app.state, "upstreams", None)
+            if upstreams is not None:
+                await upstreams.close()
+
+    app = FastAPI(title="tandem", version=__version__, lifespan=lifespan)
+    app.state.settings = settings
+    errors.install(app)
+
+    @app.middleware("http")
+    async def require_ready(request: Request, call_next):
+        if request.url.path.startswith("/v1/") and getattr(request.app.state, "serving", None) is None:
+            return OpenAIError(503, "the model services are not ready yet", None, "loading").response()
+        return await call_next(request)
+
+    app.include_router(meta)
+    app.include_router(chat.router)
+    app.include_router(completions.router)
+    return app

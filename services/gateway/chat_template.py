@@ -1,0 +1,45 @@
+"""Render chat messages with the model's own Jinja chat template (read from the GGUF by the target service).
+
+The template runs in Jinja's sandbox: it comes from a model file, which is data, not code we trust.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from services.gateway.errors import OpenAIError
+
+# Used when a model has no template (base models): a plain transcript the model can continue.
+FALLBACK_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.source = source or FALLBACK_TEMPLATE
+        self._template = env.from_string(self.source)
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except TemplateError as exc:
+            raise OpenAIError(400, f"the model's chat template rejected the messages: {exc}", "messages") from exc

@@ -1,0 +1,150 @@
+"""OpenAI request models (the subset tandem serves) and their translation into a GenerationRequest.
+
+Unknown fields are accepted and ignored, as OpenAI-compatible servers do, except where ignoring them would change
+the answer silently (n > 1, tools, response_format, logit_bias...): those are a 400 naming the parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from services.gateway.errors import OpenAIError
+from tandem.sampling import SamplingParams
+
+MAX_STOP_SEQUENCES = 16
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise OpenAIError(
+                    400,
+                    f"content part of type {part.type!r} is not supported (text only)",
+                    f"messages[{index}].content",
+                )
+            texts.append(part.text)
+        return "".join(texts)
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="extension: keep the k most likely tokens (0 = off)")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    # llama-server's flat names, so one running stack can be compared with and without speculation.
+    speculative_n_max: int | None = Field(None, alias="speculative.n_max", ge=0, le=64)
+    speculative_n_min: int | None = Field(None, alias="speculative.n_min", ge=0, le=64)
+
+    UNSUPPORTED = (
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "response_format",
+        "logit_bias",
+        "suffix",
+        "best_of",
+        "echo",
+        "audio",
+        "modalities",
+        "prediction",
+    )
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self) -> SamplingFields:
+        if self.n != 1:
+            raise OpenAIError(400, "only n=1 is supported", "n")
+        extra = self.model_extra or {}
+        for name in self.UNSUPPORTED:
+            value = extra.get(name)
+            if value not in (None, [], {}, False, "none", "auto"):
+                raise OpenAIError(400, f"parameter {name!r} is not supported by this server", name)
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = extra.get(name)
+            if value not in (None, 0, 0.0):
+                raise OpenAIError(400, f"parameter {name!r} is not supported (only 0)", name)
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise OpenAIError(400, "seed must be a non-negative 63-bit integer", "seed")
+        return self
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise OpenAIError(400, f"at most {MAX_STOP_SEQUENCES} stop sequences", "stop")
+        return [s for s in stops if s]
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_top_logprobs(self) -> int:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else -1
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens if "max_tokens" in self.model_fields_set else 16
+
+    def requested_top_logprobs(self) -> int:
+        return -1 if self.logprobs is None else self.logprobs
+
+    def prompt_value(self) -> str | list[int]:
+        prompt: Any = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise OpenAIError(400, "only one prompt per request is supported", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and not prompt:
+            raise OpenAIError(400, "prompt must not be empty", "prompt")
+        return prompt

@@ -1,0 +1,176 @@
+"""What chat and text completions share: prompt limits, running a Generation, text and stop handling, SSE.
+
+The endpoint modules (chat.py, completions.py) only translate between their OpenAI shapes and these pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from services.gateway.errors import OpenAIError, sse_error
+from services.gateway.protocol import SamplingFields
+from services.gateway.speculative import Generation, GenerationRequest, GenerationStats
+from services.gateway.text import TextAssembler
+from services.gateway.upstream import Upstreams
+from tandem.config import GatewaySettings
+from tandem.v1 import tandem_pb2 as pb
+
+
+@dataclass
+class Delta:
+    """A piece of the response: new visible text, the tokens that produced it, and the end reason when done."""
+
+    text: str = ""
+    tokens: list[pb.Token] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Outcome:
+    text: str
+    tokens: list[pb.Token]
+    finish_reason: str
+    stats: GenerationStats
+
+
+class Serving:
+    def __init__(self, upstreams: Upstreams, settings: GatewaySettings) -> None:
+        self.up = upstreams
+        self.settings = settings
+        self.model_name = settings.model_name or upstreams.target_info.model_name
+        self.context_size = upstreams.target_info.context_size
+
+    def check_model(self, requested: str | None) -> None:
+        """Accept our own id (and a missing one); anything else is a 404 like OpenAI's."""
+        if requested and requested not in (self.model_name, "tandem", "default"):
+            raise OpenAIError(
+                404,
+                f"model {requested!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
+
+    async def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        reply = await self.up.target.Tokenize(
+            pb.TokenizeRequest(text=text, add_special=add_special, parse_special=parse_special),
+            timeout=self.settings.rpc_timeout_s,
+        )
+        return list(reply.token_ids)
+
+    def generation_request(
+        self, req: SamplingFields, prompt_ids: Sequence[int], max_tokens: int | None, top_logprobs: int
+    ) -> GenerationRequest:
+        n_prompt = len(prompt_ids)
+        if n_prompt == 0:
+            raise OpenAIError(400, "the prompt is empty", "prompt")
+        room = self.context_size - n_prompt
+        if room < 1:
+            raise OpenAIError(
+                400,
+                f"the prompt has {n_prompt} tokens; this model's context is {self.context_size} tokens",
+                "messages",
+                "context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = min(self.settings.max_tokens_default, room)
+        elif max_tokens > room:
+            raise OpenAIError(
+                400,
+                f"max_tokens {max_tokens} + prompt {n_prompt} tokens exceeds the context of {self.context_size}",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        n_max = self.settings.n_max if req.speculative_n_max is None else req.speculative_n_max
+        n_min = self.settings.n_min if req.speculative_n_min is None else req.speculative_n_min
+        return GenerationRequest(
+            prompt_token_ids=list(prompt_ids),
+            sampling=req.sampling_params(),
+            max_tokens=max_tokens,
+            n_max=n_max,
+            n_min=n_min,
+            top_logprobs=top_logprobs,
+        )
+
+    def start(self, gen_req: GenerationRequest) -> Generation:
+        return Generation(self.up, gen_req, self.settings.rpc_timeout_s)
+
+    async def deltas(self, generation: Generation, stop: Sequence[str]) -> AsyncIterator[Delta]:
+        """Visible text as it becomes safe to show, ending with a Delta that carries the finish reason."""
+        text = TextAssembler(stop)
+        pending: list[pb.Token] = []
+        finish = "length"
+        async with aclosing(generation.tokens()) as tokens:
+            async for token in tokens:
+                pending.append(token)
+                if token.is_eog:
+                    finish = "stop"
+                    break
+                text.feed(token.piece)
+                if text.stopped:
+                    finish = "stop"
+                    break
+                chunk = text.take()
+                if chunk or (len(pending) > 0 and generation.req.top_logprobs >= 0):
+                    yield Delta(chunk, pending)
+                    pending = []
+        text.finish()
+        yield Delta(text.take(final=True), pending, finish)
+
+    async def complete(self, generation: Generation, stop: Sequence[str]) -> Outcome:
+        parts: list[str] = []
+        tokens: list[pb.Token] = []
+        finish = "length"
+        async for delta in self.deltas(generation, stop):
+            parts.append(delta.text)
+            tokens.extend(delta.tokens)
+            finish = delta.finish_reason or finish
+        return Outcome("".join(parts), tokens, finish, generation.stats)
+
+
+def usage(stats: GenerationStats) -> dict:
+    return {
+        "prompt_tokens": stats.prompt_n,
+        "completion_tokens": stats.predicted_n,
+        "total_tokens": stats.prompt_n + stats.predicted_n,
+    }
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def stream_events(
+    first: Delta | None,
+    rest: AsyncIterator[Delta],
+    chunk: Callable[[Delta], dict | None],
+    tail: Callable[[], list[dict]],
+) -> AsyncIterator[str]:
+    """SSE frames: a chunk per delta, then the tail (final/usage chunks), then [DONE]; errors become an error event."""
+    try:
+        async with aclosing(rest):
+            if first is not None:
+                payload = chunk(first)
+                if payload is not None:
+                    yield sse(payload)
+            async for delta in rest:
+                payload = chunk(delta)
+                if payload is not None:
+                    yield sse(payload)
+        for payload in tail():
+            yield sse(payload)
+    except Exception as exc:  # the status line is already sent: report in-band, then end the stream cleanly
+        yield sse_error(exc)
+    yield "data: [DONE]\n\n"

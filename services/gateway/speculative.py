@@ -1,0 +1,226 @@
+"""The speculative loop: prefill both services, then rounds of Draft.Propose -> Target.Verify until done.
+
+One round, with the target at sequence length n (its last emitted token not yet in its KV cache):
+  1. the draft appends the tokens the target committed since the last round and proposes up to k tokens;
+  2. the target evaluates [last token, d1..dk] in one forward pass, accepts a prefix d1..dj by the lossless rule,
+     adds its own token, and rolls its KV back past the first rejection;
+  3. the j + 1 tokens are yielded; the draft learns them at the next Propose.
+Both calls name the position they expect, so a retried call is answered from memory instead of being applied twice.
+
+If the draft fails (dies, times out, answers out of order), the request continues target-only: the target's state
+alone defines the output, so no token is lost, repeated or altered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.gateway.upstream import Upstreams
+from tandem.sampling import SamplingParams
+from tandem.v1 import tandem_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_token_ids: Sequence[int]
+    sampling: SamplingParams
+    max_tokens: int
+    n_max: int  # draft tokens per round (0 = target only)
+    n_min: int = 0  # drafts shorter than this are not verified
+    top_logprobs: int = -1  # -1 none, 0 chosen token only, n alternatives
+
+
+@dataclass
+class GenerationStats:
+    """What a response reports in `timings`, plus the split of round time for benchmarks."""
+
+    prompt_n: int = 0
+    prompt_ns: int = 0
+    predicted_n: int = 0
+    predicted_ns: int = 0
+    rounds: int = 0
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_ns: int = 0  # wall time of Propose calls seen by the gateway
+    verify_ns: int = 0  # wall time of Verify calls seen by the gateway
+    draft_forward_ns: int = 0  # time inside the draft model's forward passes
+    verify_forward_ns: int = 0  # time inside the target's forward passes
+    speculation: str = "off"  # off | on | degraded (draft failed mid-request)
+
+    def observe_round(self, proposed: int, accepted: int) -> None:
+        self.rounds += 1
+        self.draft_n += proposed
+        self.draft_n_accepted += accepted
+        while len(self.accepted_per_position) < proposed:
+            self.accepted_per_position.append(0)
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    def timings(self) -> dict:
+        prompt_ms = self.prompt_ns / 1e6
+        predicted_ms = self.predicted_ns / 1e6
+        return {
+            "prompt_n": self.prompt_n,
+            "prompt_ms": round(prompt_ms, 3),
+            "prompt_per_second": round(self.prompt_n / (prompt_ms / 1e3), 3) if prompt_ms > 0 else None,
+            "predicted_n": self.predicted_n,
+            "predicted_ms": round(predicted_ms, 3),
+            "predicted_per_second": round(self.predicted_n / (predicted_ms / 1e3), 3) if predicted_ms > 0 else None,
+            "draft_n": self.draft_n,
+            "draft_n_accepted": self.draft_n_accepted,
+            "acceptance_rate": round(self.draft_n_accepted / self.draft_n, 4) if self.draft_n else None,
+            # Mean tokens emitted per verify round, bonus token included (vLLM's convention).
+            "mean_accepted_length": round((self.draft_n_accepted + self.rounds) / self.rounds, 4)
+            if self.rounds
+            else None,
+            "speculation": self.speculation,
+        }
+
+
+class Generation:
+    """One request's speculative decoding; iterate it for tokens, read `stats` at any time."""
+
+    def __init__(self, upstreams: Upstreams, request: GenerationRequest, rpc_timeout_s: float) -> None:
+        self.up = upstreams
+        self.req = request
+        self.timeout = rpc_timeout_s
+        self.session_id = uuid.uuid4().hex
+        self.stats = GenerationStats(prompt_n=len(request.prompt_token_ids))
+        self._use_draft = upstreams.draft is not None and request.n_max > 0
+        self._draft_open = False
+
+    def _sampling_pb(self) -> pb.SamplingParams:
+        s = self.req.sampling
+        msg = pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+        if s.seed is not None:
+            msg.seed = s.seed
+        return msg
+
+    def _draft_failed(self, exc: BaseException) -> None:
+        log.warning("draft failed (%s); continuing target-only", exc)
+        self._use_draft = False
+        self.stats.speculation = "degraded"
+
+    async def _open(self) -> pb.OpenResult:
+        item = pb.OpenItem(
+            session_id=self.session_id,
+            prompt_token_ids=self.req.prompt_token_ids,
+            sampling=self._sampling_pb(),
+            top_logprobs=self.req.top_logprobs,
+        )
+        target_call = self.up.target.Open(pb.OpenRequest(items=[item]), timeout=self.timeout)
+        if not self._use_draft:
+            return (await target_call).results[0]
+        draft_item = pb.OpenItem(
+            session_id=self.session_id, prompt_token_ids=self.req.prompt_token_ids, sampling=self._sampling_pb()
+        )
+        draft_call = self.up.draft.Open(pb.OpenRequest(items=[draft_item]), timeout=self.timeout)
+        target_res, draft_res = await asyncio.gather(target_call, draft_call, return_exceptions=True)
+        if isinstance(target_res, BaseException):
+            if not isinstance(draft_res, BaseException):
+                self._draft_open = True  # closed in the caller's finally
+            raise target_res
+        if isinstance(draft_res, BaseException):
+            self._draft_failed(draft_res)
+        else:
+            self._draft_open = True
+        return target_res.results[0]
+
+    async def tokens(self) -> AsyncIterator[pb.Token]:
+        """Emitted tokens in order; close the iterator (contextlib.aclosing) to free both sessions early."""
+        t0 = t1 = time.perf_counter_ns()
+        try:
+            opened = await self._open()
+            t1 = time.perf_counter_ns()
+            self.stats.prompt_ns = t1 - t0
+            self.stats.speculation = "on" if self._use_draft else "off"
+            target_pos = opened.position
+            draft_pos = len(self.req.prompt_token_ids)
+            unsent: list[int] = [opened.first_token.id]  # committed tokens the draft has not seen
+            produced = 1
+            self.stats.predicted_n = 1
+            yield opened.first_token
+            if opened.first_token.is_eog:
+                return
+            while produced < self.req.max_tokens:
+                k = min(self.req.n_max, self.req.max_tokens - produced - 1)
+                drafts: list[int] = []
+                dists: list[pb.SparseDistribution] = []
+                if self._use_draft and k > 0:
+                    d0 = time.perf_counter_ns()
+                    try:
+                        prop = await self.up.draft.Propose(
+                            pb.ProposeRequest(
+                                items=[
+                                    pb.ProposeItem(
+                                        session_id=self.session_id,
+                                        position=draft_pos,
+                                        append_token_ids=unsent,
+                                        max_tokens=k,
+                                    )
+                                ]
+                            ),
+                            timeout=self.timeout,
+                        )
+                        proposal = prop.proposals[0]
+                        draft_pos = proposal.position
+                        unsent = []
+                        drafts = list(proposal.token_ids)
+                        dists = list(proposal.distributions)
+                        self.stats.draft_forward_ns += prop.timing.forward_ns
+                    except grpc.aio.AioRpcError as exc:
+                        self._draft_failed(exc)
+                    self.stats.draft_ns += time.perf_counter_ns() - d0
+                    if len(drafts) < max(self.req.n_min, 1):
+                        drafts, dists = [], []
+                v0 = time.perf_counter_ns()
+                verified = await self.up.target.Verify(
+                    pb.VerifyRequest(
+                        items=[
+                            pb.VerifyItem(
+                                session_id=self.session_id,
+                                position=target_pos,
+                                draft_token_ids=drafts,
+                                draft_distributions=dists,
+                            )
+                        ]
+                    ),
+                    timeout=self.timeout,
+                )
+                self.stats.verify_ns += time.perf_counter_ns() - v0
+                self.stats.verify_forward_ns += verified.timing.forward_ns
+                result = verified.results[0]
+                target_pos = result.position
+                if drafts:
+                    self.stats.observe_round(len(drafts), result.num_accepted)
+                for token in result.tokens:
+                    unsent.append(token.id)
+                    produced += 1
+                    self.stats.predicted_n = produced
+                    self.stats.predicted_ns = time.perf_counter_ns() - t1
+                    yield token
+                    if token.is_eog or produced >= self.req.max_tokens:
+                        return
+        finally:
+            self.stats.predicted_ns = time.perf_counter_ns() - t1
+            await self._close()
+
+    async def _close(self) -> None:
+        """Free both sessions' KV; never let a failed close hide the request's own outcome."""
+        calls = [self.up.target.Close(pb.CloseRequest(session_ids=[self.session_id]), timeout=5)]
+        if self._draft_open and self.up.draft is not None:
+            calls.append(self.up.draft.Close(pb.CloseRequest(session_ids=[self.session_id]), timeout=5))
+        results = await asyncio.shield(asyncio.gather(*calls, return_exceptions=True))
+        for r in results:
+            if isinstance(r, BaseException):
+                log.debug("close of session %s failed: %s", self.session_id, r)

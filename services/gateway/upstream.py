@@ -1,0 +1,105 @@
+"""The gateway's view of the two model services: channels, start-up checks, and calls with deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+class IncompatibleDraft(RuntimeError):
+    """The draft's vocabulary differs from the target's: its token ids would mean other text."""
+
+
+def check_compatible(target: pb.InfoResponse, draft: pb.InfoResponse) -> None:
+    """Refuse a draft whose token ids mean something else than the target's (model-free drafters always fit)."""
+    if draft.drafter == "ngram":
+        return
+    if draft.vocab_fingerprint != target.vocab_fingerprint:
+        raise IncompatibleDraft(
+            f"draft model {draft.model_name!r} (vocab {draft.vocab_size}, fingerprint {draft.vocab_fingerprint[:12]}) "
+            f"does not share the target {target.model_name!r}'s vocabulary (vocab {target.vocab_size}, fingerprint "
+            f"{target.vocab_fingerprint[:12]}): pick a draft from the same model family, or use --drafter ngram"
+        )
+
+
+async def wait_serving(channel: grpc.aio.Channel, service: str, timeout_s: float) -> None:
+    """Poll grpc.health.v1 until the service reports SERVING (a large model may take minutes to load)."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        except grpc.aio.AioRpcError as exc:
+            last = exc.code().name
+        await asyncio.sleep(0.25)
+    raise TimeoutError(f"{service} not SERVING after {timeout_s:.0f} s (last status: {last})")
+
+
+@dataclass
+class Upstreams:
+    """Connected, checked services. `draft` is None when speculation is off or no draft is configured."""
+
+    target: pb_grpc.TargetStub
+    target_info: pb.InfoResponse
+    draft: pb_grpc.DraftStub | None
+    draft_info: pb.InfoResponse | None
+    channels: list[grpc.aio.Channel]
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+
+
+async def connect(target_addr: str, draft_addr: str | None, timeout_s: float) -> Upstreams:
+    channels = []
+    target_channel = grpc.aio.insecure_channel(target_addr, options=CHANNEL_OPTIONS)
+    channels.append(target_channel)
+    draft_channel = None
+    if draft_addr:
+        draft_channel = grpc.aio.insecure_channel(draft_addr, options=CHANNEL_OPTIONS)
+        channels.append(draft_channel)
+    try:
+        waits = [wait_serving(target_channel, "tandem.v1.Target", timeout_s)]
+        if draft_channel is not None:
+            waits.append(wait_serving(draft_channel, "tandem.v1.Draft", timeout_s))
+        await asyncio.gather(*waits)
+        target = pb_grpc.TargetStub(target_channel)
+        target_info = await target.Info(pb.InfoRequest(), timeout=10)
+        draft = draft_info = None
+        if draft_channel is not None:
+            draft = pb_grpc.DraftStub(draft_channel)
+            draft_info = await draft.Info(pb.InfoRequest(), timeout=10)
+            check_compatible(target_info, draft_info)
+        log.info(
+            "target %s on %s; draft %s",
+            target_info.model_name,
+            target_info.device,
+            f"{draft_info.drafter}:{draft_info.model_name} on {draft_info.device}" if draft_info else "none",
+        )
+        return Upstreams(target, target_info, draft, draft_info, channels)
+    except BaseException:
+        for channel in channels:
+            await channel.close()
+        raise

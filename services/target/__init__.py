@@ -1,0 +1,1 @@
+"""The target service: the large model that prefills, verifies drafts losslessly and owns tokenization."""

@@ -1,0 +1,100 @@
+"""gRPC servicer for tandem.v1.Target: protobuf in, Verifier call on the engine thread, protobuf out."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from services.target.verifier import EmittedToken, OpenSpec, Verifier, VerifySpec
+from tandem.convert import dist_from_pb, info_pb, sampling_from_pb
+from tandem.grpc_server import EngineWorker, ServiceLoading
+from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+
+def token_to_pb(token: EmittedToken) -> pb.Token:
+    msg = pb.Token(id=token.token_id, piece=token.piece, is_eog=token.is_eog)
+    if token.logprob is not None:
+        msg.logprob = token.logprob
+        msg.top_logprobs.extend(pb.TopLogprob(id=t, piece=piece, logprob=lp) for t, piece, lp in token.top_logprobs)
+    return msg
+
+
+class TargetServicer(pb_grpc.TargetServicer):
+    def __init__(self, worker: EngineWorker) -> None:
+        self.worker = worker
+        self.verifier: Verifier | None = None
+
+    def _ready(self) -> Verifier:
+        if self.verifier is None:
+            raise ServiceLoading("the target model is still loading")
+        return self.verifier
+
+    def _timing(self, t0: int, forward0: int) -> pb.Timing:
+        assert self.verifier is not None
+        return pb.Timing(forward_ns=self.verifier.engine.forward_ns - forward0, total_ns=time.perf_counter_ns() - t0)
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        v = self._ready()
+        return info_pb(v.engine, active_sessions=len(v.store))
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        v = self._ready()
+        ids = await self.worker.run(v.engine.tokenize, request.text, request.add_special, request.parse_special)
+        return pb.TokenizeResponse(token_ids=ids)
+
+    async def Open(self, request: pb.OpenRequest, context: grpc.aio.ServicerContext) -> pb.OpenResponse:
+        v = self._ready()
+        t0, f0 = time.perf_counter_ns(), v.engine.forward_ns
+        specs = [
+            OpenSpec(item.session_id, list(item.prompt_token_ids), sampling_from_pb(item.sampling), item.top_logprobs)
+            for item in request.items
+        ]
+        results = await self.worker.run(v.open, specs)
+        return pb.OpenResponse(
+            results=[
+                pb.OpenResult(session_id=r.session_id, position=r.position, first_token=token_to_pb(r.first_token))
+                for r in results
+            ],
+            timing=self._timing(t0, f0),
+        )
+
+    async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.VerifyResponse:
+        v = self._ready()
+        t0, f0 = time.perf_counter_ns(), v.engine.forward_ns
+        specs = [
+            VerifySpec(
+                item.session_id,
+                item.position,
+                list(item.draft_token_ids),
+                [dist_from_pb(d, v.engine.n_vocab) for d in item.draft_distributions]
+                if item.draft_distributions
+                else None,
+            )
+            for item in request.items
+        ]
+        results = await self.worker.run(v.verify, specs)
+        return pb.VerifyResponse(
+            results=[
+                pb.VerifyResult(
+                    session_id=r.session_id,
+                    num_accepted=r.num_accepted,
+                    tokens=[token_to_pb(t) for t in r.tokens],
+                    position=r.position,
+                )
+                for r in results
+            ],
+            timing=self._timing(t0, f0),
+        )
+
+    async def Rollback(self, request: pb.RollbackRequest, context: grpc.aio.ServicerContext) -> pb.RollbackResponse:
+        v = self._ready()
+        t0, f0 = time.perf_counter_ns(), v.engine.forward_ns
+        await self.worker.run(v.rollback, [(item.session_id, item.position) for item in request.items])
+        return pb.RollbackResponse(timing=self._timing(t0, f0))
+
+    async def Close(self, request: pb.CloseRequest, context: grpc.aio.ServicerContext) -> pb.CloseResponse:
+        v = self._ready()
+        closed = await self.worker.run(v.close, list(request.session_ids))
+        return pb.CloseResponse(closed=closed)

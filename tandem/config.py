@@ -1,0 +1,95 @@
+"""Settings for the three services: pydantic-settings classes whose fields carry bounds and help.
+
+Each setting can come from a CLI flag (`--n-gpu-layers 99`), an environment variable with the service's prefix
+(`TANDEM_TARGET_N_GPU_LAYERS=99`), or its default. The defaults run the whole stack on this CPU on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+KvCacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+
+
+class EngineSettings(BaseSettings):
+    """How one model is loaded and pinned: one backend, one device, a bounded number of sessions."""
+
+    model: Path | None = Field(None, description="GGUF file; default: the embedded SmolLM2-135M-Instruct")
+    n_gpu_layers: int = Field(0, ge=-1, description="layers to offload to the GPU (-1 = all, 0 = CPU only)")
+    main_gpu: int = Field(0, ge=0, description="GPU index the model is pinned to (with split_mode none)")
+    split_mode: Literal["none", "layer", "row"] = Field(
+        "none", description="none pins the model to main_gpu; layer/row spread it over all visible GPUs"
+    )
+    n_threads: int = Field(0, ge=0, description="CPU threads for decoding (0 = all cores)")
+    n_threads_batch: int = Field(0, ge=0, description="CPU threads for prefill/verify batches (0 = n_threads)")
+    n_ctx: int = Field(4096, ge=64, description="KV cells shared by all sessions (tokens)")
+    n_batch: int = Field(512, ge=16, description="largest batch given to one llama_decode call")
+    max_sessions: int = Field(4, ge=1, le=256, description="sessions (KV sequences) served at once")
+    cache_type_k: KvCacheType = Field("f16", description="KV cache type for keys (q8_0 halves the memory)")
+    cache_type_v: KvCacheType = Field("f16", description="KV cache type for values (quantised V needs flash attention)")
+    flash_attn: Literal["auto", "on", "off"] = Field("off", description="flash attention")
+    extra_buffers: bool = Field(
+        False,
+        description="let llama.cpp repack CPU weights into extra buffer types (AMX...); off because the AMX path of"
+        " llama-cpp-python 0.3.36 segfaults on Sapphire Rapids CPUs",
+    )
+    session_idle_timeout_s: float = Field(300.0, gt=0, description="close sessions idle for longer than this")
+
+    def resolved_threads(self) -> tuple[int, int]:
+        n = self.n_threads or os.cpu_count() or 1
+        return n, self.n_threads_batch or n
+
+
+class ServiceSettings(EngineSettings):
+    host: str = Field("127.0.0.1", description="address to listen on; anything but loopback is an explicit choice")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = pick a free one and print it)")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class TargetSettings(ServiceSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="TANDEM_TARGET_", cli_parse_args=False, cli_kebab_case=True, cli_implicit_flags=True
+    )
+
+    verify_mode: Literal["batched", "sequential"] = Field(
+        "batched",
+        description="batched: verify all draft tokens in one forward pass (fast, logits differ slightly from one-token"
+        " decoding); sequential: one pass per token (bit-identical to target-only decoding, k times the cost)",
+    )
+
+
+class DraftSettings(ServiceSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="TANDEM_DRAFT_", cli_parse_args=False, cli_kebab_case=True, cli_implicit_flags=True
+    )
+
+    port: int = Field(50052, ge=0, le=65535, description="gRPC port (0 = pick a free one and print it)")
+    drafter: Literal["ngram", "model"] = Field("ngram", description="model: a small GGUF; ngram: prompt lookup")
+    ngram_max: int = Field(4, ge=1, le=16, description="n-gram drafter: longest suffix to match")
+    ngram_min: int = Field(1, ge=1, le=16, description="n-gram drafter: shortest suffix to match")
+    draft_support: int = Field(
+        32, ge=1, le=4096, description="model drafter, sampling: tokens kept in the draft distribution it sends"
+    )
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="TANDEM_GATEWAY_", cli_parse_args=False, cli_kebab_case=True, cli_implicit_flags=True
+    )
+
+    host: str = Field("127.0.0.1", description="HTTP address; anything but loopback is an explicit choice")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port of the OpenAI-compatible API")
+    target: str = Field("127.0.0.1:50051", description="target service address")
+    draft: str | None = Field("127.0.0.1:50052", description="draft service address (empty = target only)")
+    model_name: str | None = Field(None, description="model id served on /v1/models (default: the target's name)")
+    n_max: int = Field(8, ge=0, le=64, description="default draft tokens per round (0 = no speculation)")
+    n_min: int = Field(0, ge=0, le=64, description="drafts shorter than this are not verified")
+    max_tokens_default: int = Field(512, ge=1, description="max_tokens when the request gives none")
+    rpc_timeout_s: float = Field(30.0, gt=0, description="deadline of each gRPC call")
+    startup_timeout_s: float = Field(600.0, gt=0, description="how long to wait for the services at start")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"

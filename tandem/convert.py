@@ -1,0 +1,79 @@
+"""Conversions between the wire messages (tandem.v1) and the core's dataclasses, in one place.
+
+The engine and the sampling math never see protobuf; servicers call these at the edges.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tandem.errors import InvalidArgument
+from tandem.sampling import SamplingParams, SparseDist
+from tandem.v1 import tandem_pb2 as pb
+
+if TYPE_CHECKING:
+    from tandem.engine import Engine
+
+
+def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    if not np.isfinite(msg.temperature) or msg.temperature < 0:
+        raise InvalidArgument(f"temperature must be >= 0, got {msg.temperature}")
+    top_p = msg.top_p if msg.top_p > 0 else 1.0
+    if not 0 < top_p <= 1:
+        raise InvalidArgument(f"top_p must be in (0, 1], got {msg.top_p}")
+    return SamplingParams(
+        temperature=float(msg.temperature),
+        top_k=int(msg.top_k),
+        top_p=float(top_p),
+        seed=int(msg.seed) if msg.HasField("seed") else None,
+    )
+
+
+def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def dist_to_pb(dist: SparseDist) -> pb.SparseDistribution:
+    return pb.SparseDistribution(token_ids=dist.token_ids.tolist(), probs=dist.probs.tolist())
+
+
+def dist_from_pb(msg: pb.SparseDistribution, n_vocab: int) -> SparseDist:
+    ids = np.asarray(msg.token_ids, dtype=np.int64)
+    probs = np.asarray(msg.probs, dtype=np.float64)
+    if len(ids) == 0 or len(ids) != len(probs):
+        raise InvalidArgument("a draft distribution needs as many probs as token_ids, and at least one")
+    if ids.min() < 0 or ids.max() >= n_vocab or len(np.unique(ids)) != len(ids):
+        raise InvalidArgument("draft distribution token ids must be distinct and inside the vocabulary")
+    if not np.all(np.isfinite(probs)) or probs.min() < 0 or probs.sum() <= 0:
+        raise InvalidArgument("draft distribution probabilities must be finite, non-negative and not all zero")
+    # float32 on the wire: renormalise in float64 so q is exactly the distribution the draft sampled from.
+    return SparseDist(ids, probs / probs.sum())
+
+
+def info_pb(engine: Engine, drafter: str = "", active_sessions: int = 0) -> pb.InfoResponse:
+    """Describe a loaded engine (the target, or a draft service's model drafter)."""
+    msg = pb.InfoResponse(
+        model_name=engine.name,
+        architecture=engine.architecture,
+        vocab_size=engine.n_vocab,
+        vocab_fingerprint=engine.fingerprint,
+        context_size=engine.n_ctx,
+        backend=engine.backend,
+        device=engine.device,
+        version=engine.version,
+        max_sessions=engine.settings.max_sessions,
+        eog_token_ids=engine.eog_ids,
+        chat_template=engine.chat_template,
+        drafter=drafter,
+        bos_text=engine.bos_text,
+        eos_text=engine.eos_text,
+        active_sessions=active_sessions,
+    )
+    if engine.bos_id is not None:
+        msg.bos_token_id = engine.bos_id
+    return msg

@@ -1,0 +1,261 @@
+"""A thin wrapper over llama.cpp's C API (through llama-cpp-python's ctypes bindings).
+
+Why not the high-level `llama_cpp.Llama`: it keeps one sequence and, for logits of every position, allocates
+n_ctx x n_vocab floats. Speculative decoding needs many sequences in one context (one per session), logits of just
+the positions being verified, and rollback of a sequence's KV cells past a rejected draft. This module gives exactly
+that and nothing else; it knows nothing about gRPC or sessions.
+
+Not thread-safe: the services call it from one worker thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp  # import before numpy: see shared notes (numpy first can crash model loading on some images)
+import numpy as np
+
+from tandem import __version__
+from tandem.config import EngineSettings
+from tandem.errors import ContextOverflow, EngineFailure, InvalidArgument
+from tandem.models import default_model_path
+
+log = logging.getLogger(__name__)
+# llama.cpp logs through this logger (llama_cpp._logger); keep its chatter to errors unless asked for debug.
+logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+
+_GGML_TYPES = {
+    "f32": 0,
+    "f16": 1,
+    "q4_0": 2,
+    "q4_1": 3,
+    "q5_0": 6,
+    "q5_1": 7,
+    "q8_0": 8,
+    "bf16": 30,
+}
+_FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+_SPLIT_MODE = {"none": 0, "layer": 1, "row": 2}
+
+_backend_ready = False
+
+
+@dataclass(frozen=True)
+class DecodeItem:
+    """Tokens to append to one sequence, starting at KV position `start`.
+
+    `logits` chooses which rows come back: "none", "last" (prefill) or "all" (verify).
+    """
+
+    seq_id: int
+    tokens: Sequence[int]
+    start: int
+    logits: str = "last"
+
+
+def _meta(model: ctypes.c_void_p, key: str) -> str:
+    buf = ctypes.create_string_buffer(4096)
+    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", "replace") if n >= 0 else ""
+
+
+def _detect_backend(settings: EngineSettings) -> tuple[str, str]:
+    """Best-effort name of the backend the layers run on, and a device description."""
+    threads, _ = settings.resolved_threads()
+    if settings.n_gpu_layers == 0 or not llama_cpp.llama_supports_gpu_offload():
+        return "CPU", f"CPU ({threads} threads)"
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    for name, marker in (("CUDA", "CUDA"), ("ROCm", "HIP"), ("ROCm", "ROCM"), ("Metal", "METAL"), ("Vulkan", "VULKAN")):
+        if marker in info.upper():
+            return name, f"{name}{settings.main_gpu} ({settings.n_gpu_layers} layers, split {settings.split_mode})"
+    return "GPU", f"GPU{settings.main_gpu}"
+
+
+class Engine:
+    """One model, one context, many sequences (one per session)."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        global _backend_ready
+        if not _backend_ready:
+            llama_cpp.llama_backend_init()
+            _backend_ready = True
+        self.settings = settings
+        path = Path(settings.model) if settings.model else default_model_path()
+        if not path.is_file():
+            raise FileNotFoundError(f"model file not found: {path}")
+        self.model_path = path
+        t0 = time.perf_counter()
+        log.info("loading model %s", path)
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = settings.n_gpu_layers if settings.n_gpu_layers >= 0 else 999
+        mparams.main_gpu = settings.main_gpu
+        mparams.split_mode = _SPLIT_MODE[settings.split_mode]
+        mparams.use_extra_bufts = settings.extra_buffers
+        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self._model:
+            raise EngineFailure(f"llama.cpp could not load {path}")
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+
+        n_threads, n_threads_batch = settings.resolved_threads()
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = settings.n_ctx
+        cparams.n_batch = settings.n_batch
+        cparams.n_ubatch = settings.n_batch
+        cparams.n_seq_max = settings.max_sessions
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = n_threads_batch
+        cparams.flash_attn_type = _FLASH_ATTN[settings.flash_attn]
+        cparams.type_k = _GGML_TYPES[settings.cache_type_k]
+        cparams.type_v = _GGML_TYPES[settings.cache_type_v]
+        cparams.kv_unified = True  # all sessions share the n_ctx cells instead of n_ctx / max_sessions each
+        cparams.no_perf = True
+        self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            raise EngineFailure("llama.cpp could not create a context (out of memory? try a smaller --n-ctx)")
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self.n_ctx = llama_cpp.llama_n_ctx(self._ctx)
+        self.n_batch = settings.n_batch
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self._tok = np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,))
+        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
+        self._nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self.n_batch,))
+        self._want = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
+        self._nseq[:] = 1
+
+        self.name = _meta(self._model, "general.name") or path.stem
+        self.architecture = _meta(self._model, "general.architecture")
+        template = llama_cpp.llama_model_chat_template(self._model, None)
+        self.chat_template = template.decode("utf-8", "replace") if template else ""
+        self.backend, self.device = _detect_backend(settings)
+        self.pieces = [self._piece(t, special=False) for t in range(self.n_vocab)]
+        self.eog_ids = [t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)]
+        self._eog = set(self.eog_ids)
+        bos = llama_cpp.llama_vocab_bos(self._vocab)
+        eos = llama_cpp.llama_vocab_eos(self._vocab)
+        self.bos_id = bos if bos >= 0 else None
+        self.eos_id = eos if eos >= 0 else None
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+        self.bos_text = self._piece(bos, special=True).decode("utf-8", "replace") if bos >= 0 else ""
+        self.eos_text = self._piece(eos, special=True).decode("utf-8", "replace") if eos >= 0 else ""
+        self.fingerprint = self._fingerprint()
+        self.version = f"tandem {__version__}; llama-cpp-python {llama_cpp.__version__}"
+        self.forward_ns = 0  # cumulative time inside llama_decode, for per-call timing
+        log.info(
+            "loaded %s (%s, vocab %d, ctx %d, %s) in %.1f s",
+            self.name,
+            self.architecture,
+            self.n_vocab,
+            self.n_ctx,
+            self.device,
+            time.perf_counter() - t0,
+        )
+
+    # ------------------------------------------------------------------ vocabulary
+
+    def _piece(self, token: int, special: bool) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def _fingerprint(self) -> str:
+        """SHA-256 over every token's text (special tokens rendered) and the special ids: equal means the token ids
+        of the two models mean the same text, which is what speculative decoding needs."""
+        h = hashlib.sha256()
+        h.update(f"n_vocab={self.n_vocab};bos={self.bos_id};eos={self.eos_id};eog={self.eog_ids};".encode())
+        for t in range(self.n_vocab):
+            piece = self._piece(t, special=True)
+            h.update(len(piece).to_bytes(4, "little"))
+            h.update(piece)
+        return h.hexdigest()
+
+    def is_eog(self, token: int) -> bool:
+        return token in self._eog
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.pieces[t] for t in tokens).decode("utf-8", "replace")
+
+    def check_tokens(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            if not 0 <= t < self.n_vocab:
+                raise InvalidArgument(f"token id {t} is outside the vocabulary (0..{self.n_vocab - 1})")
+
+    # ------------------------------------------------------------------ KV cache
+
+    def truncate(self, seq_id: int, position: int) -> None:
+        """Drop KV cells of `seq_id` at positions >= `position` (rollback of rejected tokens)."""
+        if not llama_cpp.llama_memory_seq_rm(self._memory, seq_id, position, -1):
+            raise EngineFailure(f"could not roll back sequence {seq_id} to {position}")
+
+    def clear(self, seq_id: int) -> None:
+        llama_cpp.llama_memory_seq_rm(self._memory, seq_id, 0, -1)
+
+    # ------------------------------------------------------------------ forward passes
+
+    def decode(self, items: Sequence[DecodeItem]) -> list[np.ndarray]:
+        """Run the items' tokens through the model, several sequences per llama_decode where they fit.
+
+        Returns one float32 array per item: shape (len(tokens), n_vocab) for "all", (1, n_vocab) for "last",
+        (0, n_vocab) for "none".
+        """
+        for item in items:
+            self.check_tokens(item.tokens)
+            if item.start + len(item.tokens) > self.n_ctx:
+                raise ContextOverflow(
+                    f"sequence of {item.start + len(item.tokens)} tokens exceeds the context size {self.n_ctx}"
+                )
+        out: list[list[np.ndarray]] = [[] for _ in items]
+        # Flatten into (item index, offset within item) rows and cut them into batches of n_batch.
+        rows = [(i, j) for i, item in enumerate(items) for j in range(len(item.tokens))]
+        for b0 in range(0, len(rows), self.n_batch):
+            chunk = rows[b0 : b0 + self.n_batch]
+            n = len(chunk)
+            wanted: list[tuple[int, int]] = []
+            for r, (i, j) in enumerate(chunk):
+                item = items[i]
+                self._tok[r] = item.tokens[j]
+                self._pos[r] = item.start + j
+                self._batch.seq_id[r][0] = item.seq_id
+                want = item.logits == "all" or (item.logits == "last" and j == len(item.tokens) - 1)
+                self._want[r] = 1 if want else 0
+                if want:
+                    wanted.append((r, i))
+            self._batch.n_tokens = n
+            t0 = time.perf_counter_ns()
+            rc = llama_cpp.llama_decode(self._ctx, self._batch)
+            self.forward_ns += time.perf_counter_ns() - t0
+            if rc == 1:
+                raise ContextOverflow("no free KV cells for this batch: too many tokens in flight, retry later")
+            if rc != 0:
+                raise EngineFailure(f"llama_decode failed with code {rc}")
+            for r, i in wanted:
+                ptr = llama_cpp.llama_get_logits_ith(self._ctx, r)
+                out[i].append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
+        return [np.stack(rows_) if rows_ else np.zeros((0, self.n_vocab), np.float32) for rows_ in out]
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(self._ctx)
+            llama_cpp.llama_model_free(self._model)
+            self._ctx = None

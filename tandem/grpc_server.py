@@ -1,0 +1,146 @@
+"""gRPC scaffolding shared by the model services: server start-up, health, reflection, error mapping.
+
+The server listens before the model loads, so orchestrators can see NOT_SERVING (grpc.health.v1) while a large
+GGUF loads; RPCs that need the model answer UNAVAILABLE until then. Errors are mapped to status codes in one
+interceptor, never in the servicers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tandem.errors import TandemError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+class ServiceLoading(TandemError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Turn typed TandemErrors into their status codes, and anything else into INTERNAL with a logged trace."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner = handler.unary_unary
+        method = handler_call_details.method
+
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await inner(request, context)
+            except TandemError as exc:
+                await context.abort(exc.code, str(exc))
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                log.exception("unhandled error in %s", method)
+                await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+        return grpc.unary_unary_rpc_method_handler(
+            guarded,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+class EngineWorker:
+    """Runs blocking engine work on one dedicated thread, so llama.cpp is never entered twice at once."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+async def serve(
+    *,
+    host: str,
+    port: int,
+    service_name: str,
+    register: Callable[[grpc.aio.Server], None],
+    load: Callable[[], Awaitable[None]],
+    periodic: Callable[[], Awaitable[None]] | None = None,
+    period_s: float = 5.0,
+    ready_file: str | None = None,
+) -> None:
+    """Listen on host:port, report NOT_SERVING, run `load`, report SERVING, then serve until SIGINT/SIGTERM."""
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not listen on {host}:{port}")
+    await server.start()
+    for name in ("", service_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    # Printed (and flushed) so launchers that asked for port 0 learn the real port.
+    print(f"tandem: {service_name} listening on {host}:{bound}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def load_then_serve() -> None:
+        try:
+            await load()
+        except Exception:
+            log.exception("model failed to load")
+            stop.set()
+            raise
+        for name in ("", service_name):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        print(f"tandem: {service_name} ready on {host}:{bound}", flush=True)
+
+    async def tick() -> None:
+        while periodic is not None:
+            await asyncio.sleep(period_s)
+            try:
+                await periodic()
+            except Exception:
+                log.exception("periodic task failed")
+
+    loader = asyncio.create_task(load_then_serve())
+    ticker = asyncio.create_task(tick())
+    await stop.wait()
+    await health_servicer.enter_graceful_shutdown()
+    ticker.cancel()
+    await server.stop(grace=2.0)
+    if loader.done() and loader.exception() is not None:
+        raise SystemExit(1)
+    loader.cancel()

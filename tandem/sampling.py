@@ -1,0 +1,299 @@
+"""Lossless speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling").
+
+A cheap *draft* proposes k tokens d_1..d_k, each sampled from its own distribution q_i (or chosen
+deterministically, e.g. greedy or n-gram lookup; q_i is then one-hot on d_i). The *target* scores the prefix
+extended by the drafts in one pass and yields p_0..p_k, where p_i is the target distribution of the token that
+follows prefix + d_1..d_i. One verification round then walks the drafts in order:
+
+* **accepted**: d_i is kept with probability min(1, p_{i-1}(d_i) / q_i(d_i));
+* **recovered**: on the first rejection, a replacement is drawn from norm(max(0, p_{i-1} - q_i)) (the
+  *residual*) and the round stops; the remaining drafts are discarded;
+* **bonus**: if all k drafts are accepted, one extra token is drawn from p_k for free.
+
+Every round therefore emits between 1 and k + 1 tokens, and the emitted sequence has exactly the
+distribution obtained by sampling the target autoregressively, whatever the draft does. That guarantee only
+holds if p and q are the *final* distributions that tokens are actually drawn from, i.e. after temperature,
+top-k and top-p, so `warp` produces exactly those, and the draft must send the exact q it sampled from
+(see `truncate`).
+Greedy decoding (temperature 0) is the special case where p is one-hot at the target argmax.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are treated as greedy: dividing by them would overflow and the result is argmax."""
+
+TOP_P_TOLERANCE = 1e-12
+"""Slack on the top-p cumulative threshold, so 0.4 + 0.3 counts as reaching top_p=0.7 despite rounding."""
+
+RESIDUAL_EPS = 1e-12
+"""Residual mass at or below this is rounding noise (p == q up to float error); we then fall back to p."""
+
+_TOP_P_FIRST_CANDIDATES = 1024
+"""Initial candidate count for top-p over a full vocab; usually enough, so we avoid sorting 262k entries."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """User-facing sampling knobs; the same warp must be applied on the draft and target side."""
+
+    temperature: float = 1.0  # 0.0 => greedy
+    top_k: int = 0  # 0 => disabled
+    top_p: float = 1.0  # 1.0 => disabled
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.temperature):
+            raise ValueError("temperature must not be NaN")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        """Greedy when the temperature is (numerically) zero; the distribution is then one-hot at argmax."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+@dataclass(frozen=True)
+class SparseDist:
+    """A distribution known exactly on a small support (what a draft sends over gRPC)."""
+
+    token_ids: np.ndarray  # int64, shape (n,)
+    probs: np.ndarray  # float64, shape (n,), sums to 1
+
+    def __post_init__(self) -> None:
+        ids = np.array(self.token_ids, dtype=np.int64).reshape(-1)
+        probs = np.array(self.probs, dtype=np.float64).reshape(-1)
+        if ids.shape != probs.shape or ids.size == 0:
+            raise ValueError(f"token_ids and probs must be non-empty and equally long, got {ids.shape}, {probs.shape}")
+        if np.any(ids < 0) or np.unique(ids).size != ids.size:
+            raise ValueError("token_ids must be distinct and non-negative")
+        if not np.all(np.isfinite(probs)) or np.any(probs < 0.0):
+            raise ValueError("probs must be finite and non-negative")
+        if abs(float(probs.sum()) - 1.0) > 1e-6:
+            raise ValueError(f"probs must sum to 1, got {float(probs.sum())!r}")
+        ids.flags.writeable = False
+        probs.flags.writeable = False
+        # Frozen dataclass: normalised copies are installed once here so callers cannot mutate q afterwards.
+        object.__setattr__(self, "token_ids", ids)
+        object.__setattr__(self, "probs", probs)
+
+    def prob_of(self, token: int) -> float:
+        """q(token); zero outside the support (the support is small, so a linear scan is cheapest)."""
+        hits = np.flatnonzero(self.token_ids == token)
+        return float(self.probs[hits[0]]) if hits.size else 0.0
+
+    def dense(self, vocab_size: int) -> np.ndarray:
+        """The same distribution as a full-vocab vector, for code that needs p - q elementwise."""
+        if int(self.token_ids.max()) >= vocab_size:
+            raise ValueError(f"token id {int(self.token_ids.max())} outside vocab of size {vocab_size}")
+        out = np.zeros(vocab_size, dtype=np.float64)
+        out[self.token_ids] = self.probs
+        return out
+
+
+def _as_logits(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float64)
+    if x.ndim != 1 or x.size == 0:
+        raise ValueError(f"logits must be a non-empty 1-D array, got shape {x.shape}")
+    if np.isnan(x).any() or np.isposinf(x).any():
+        raise ValueError("logits must not contain NaN or +inf")
+    if np.isneginf(x).all():
+        raise ValueError("all logits are -inf: no token can be sampled")
+    return x
+
+
+def _ranked(ids: np.ndarray, probs: np.ndarray) -> np.ndarray:
+    """Order positions by descending prob, ties by ascending token id, so truncation is deterministic."""
+    return np.lexsort((ids, -probs))
+
+
+def _tie_closed_top(values: np.ndarray, n: int) -> np.ndarray:
+    """Positions of the n largest values plus anything tied with the n-th; O(V) via argpartition."""
+    if n >= values.size:
+        return np.arange(values.size)
+    kth = values[np.argpartition(values, values.size - n)[values.size - n]]
+    return np.flatnonzero(values >= kth)
+
+
+def _top_p_keep(ids: np.ndarray, probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Token ids of the smallest highest-prob prefix whose mass reaches top_p (never empty)."""
+    target = top_p - TOP_P_TOLERANCE
+    n_cand = min(_TOP_P_FIRST_CANDIDATES, probs.size)
+    while True:
+        # The tie-closed top-n set is exactly a prefix of the full ranking, so if it already reaches top_p
+        # the answer lies inside it and the rest of the vocab never needs sorting.
+        pos = _tie_closed_top(probs, n_cand)
+        order = pos[_ranked(ids[pos], probs[pos])]
+        cum = np.cumsum(probs[order])
+        if cum[-1] >= target or order.size == probs.size:
+            m = min(int(np.searchsorted(cum, target, side="left")) + 1, order.size)
+            return ids[order[:m]]
+        n_cand *= 4
+
+
+def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Final sampling distribution over the full vocab (float64, sums to 1, zeros outside the support).
+
+    Order: greedy -> one-hot argmax (lowest id on ties); else temperature scale, then top-k (keep the k
+    largest; ties at the boundary are kept), then top-p on the renormalised top-k distribution (smallest
+    set of highest-prob tokens whose cumulative prob >= top_p, always >= 1 token), then renormalise. Both
+    sides of speculative decoding must use this so that p and q are the distributions tokens are drawn from.
+    """
+    x = _as_logits(logits)
+    vocab = x.size
+    out = np.zeros(vocab, dtype=np.float64)
+    if params.greedy:
+        out[int(np.argmax(x))] = 1.0
+        return out
+
+    # Shifting by the max before dividing leaves softmax(x / T) unchanged and cannot overflow for small T.
+    scaled = (x - x.max()) / params.temperature
+    if 0 < params.top_k < vocab:
+        ids = _tie_closed_top(scaled, params.top_k)
+        z = scaled[ids]
+    else:
+        ids = np.arange(vocab)
+        z = scaled
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+
+    if params.top_p < 1.0:
+        # Underflowed tokens can never be inside the nucleus; dropping them keeps the candidate sets small.
+        pos = np.flatnonzero(probs > 0.0)
+        keep = _top_p_keep(ids[pos], probs[pos], params.top_p)
+        out[keep] = np.exp(scaled[keep] - scaled[keep].max())
+    else:
+        out[ids] = probs
+    out /= out.sum()
+    return out
+
+
+def truncate(probs: np.ndarray, max_support: int) -> SparseDist:
+    """Keep the max_support most probable tokens of a dense distribution and renormalise.
+
+    The draft samples from THIS (not from the dense distribution) so that the q it sends is exact and small.
+    Zero-probability tokens are never included; ties at the cut keep the lowest token ids.
+    """
+    if max_support < 1:
+        raise ValueError(f"max_support must be >= 1, got {max_support}")
+    p = np.asarray(probs, dtype=np.float64)
+    if p.ndim != 1:
+        raise ValueError(f"probs must be 1-D, got shape {p.shape}")
+    nonzero = np.flatnonzero(p > 0.0)
+    if nonzero.size == 0:
+        raise ValueError("distribution has no positive mass")
+    cand = nonzero[_tie_closed_top(p[nonzero], max_support)]
+    keep = cand[_ranked(cand, p[cand])][:max_support]
+    kept = p[keep]
+    return SparseDist(token_ids=keep.astype(np.int64), probs=kept / kept.sum())
+
+
+def sample(probs: np.ndarray | SparseDist, rng: np.random.Generator) -> int:
+    """Draw one token by inverting the CDF with exactly one uniform, so RNG consumption is predictable."""
+    if isinstance(probs, SparseDist):
+        return int(probs.token_ids[_inverse_cdf(probs.probs, rng)])
+    return _inverse_cdf(np.asarray(probs, dtype=np.float64), rng)
+
+
+def _inverse_cdf(p: np.ndarray, rng: np.random.Generator) -> int:
+    cum = np.cumsum(p)
+    total = float(cum[-1])
+    if not total > 0.0:
+        raise ValueError("cannot sample from a distribution with no positive mass")
+    # side="right" never lands on a zero-probability entry: its cum equals the previous one.
+    idx = int(np.searchsorted(cum, rng.random() * total, side="right"))
+    if idx >= p.size:  # u * total rounded up to total
+        idx = int(np.flatnonzero(p > 0.0)[-1])
+    return idx
+
+
+def acceptance_probability(p: np.ndarray, q: SparseDist | None, token: int) -> float:
+    """min(1, p[token]/q(token)); q None means a deterministic draft (one-hot on token) => p[token]."""
+    pt = float(p[token])
+    if q is None:
+        return min(1.0, max(0.0, pt))
+    qt = q.prob_of(token)
+    if qt <= 0.0:
+        raise ValueError(f"draft token {token} has q=0, so it cannot have been sampled from q")
+    return min(1.0, pt / qt)
+
+
+def residual_distribution(p: np.ndarray, q: SparseDist | None, token: int) -> np.ndarray:
+    """norm(max(0, p - q)): what to sample from after a rejection so the overall output is exactly p.
+
+    For q None (one-hot on token) that is p with token zeroed, renormalised. If the residual has zero mass
+    (p == q numerically), p is returned: with exact arithmetic a rejection is then impossible.
+    """
+    p = np.asarray(p, dtype=np.float64)
+    r = p.copy()
+    if q is None:
+        r[token] = 0.0
+    else:
+        if int(q.token_ids.max()) >= p.size:
+            raise ValueError("draft distribution has token ids outside the target vocab")
+        # q is zero off its support, so only its support can change.
+        r[q.token_ids] = np.maximum(0.0, p[q.token_ids] - q.probs)
+    mass = float(r.sum())
+    if mass <= RESIDUAL_EPS:
+        return p.copy()
+    return r / mass
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    """Result of one verification round: the accepted drafts plus one recovered or bonus token."""
+
+    n_accepted: int  # how many draft tokens were accepted (0..k)
+    next_token: int  # the recovered (after reject) or bonus (all accepted) token
+
+
+def verify_greedy(target_argmax: Sequence[int], draft_tokens: Sequence[int]) -> VerifyOutcome:
+    """Greedy verification: accept while draft == target argmax; next_token = target_argmax[n_accepted].
+
+    target_argmax[i] is the argmax of the target logits at position i (len k+1). Draws no random numbers,
+    so greedy output is identical with and without speculation.
+    """
+    k = len(draft_tokens)
+    if len(target_argmax) < k + 1:
+        raise ValueError(f"need {k + 1} target argmaxes for {k} draft tokens, got {len(target_argmax)}")
+    n = 0
+    while n < k and int(draft_tokens[n]) == int(target_argmax[n]):
+        n += 1
+    return VerifyOutcome(n_accepted=n, next_token=int(target_argmax[n]))
+
+
+def verify_stochastic(
+    target_probs: np.ndarray,
+    draft_tokens: Sequence[int],
+    draft_dists: Sequence[SparseDist | None],
+    rng: np.random.Generator,
+) -> VerifyOutcome:
+    """Speculative-sampling verification of one round; output is distributed exactly as the target.
+
+    target_probs has shape (k+1, V) and holds warped distributions. Uses acceptance_probability,
+    residual_distribution and sample (these pure functions ARE the implementation, so tests can enumerate
+    through them). Draws one uniform per examined draft token, then one for the recovered/bonus token.
+    With k == 0 it just samples from target_probs[0].
+    """
+    k = len(draft_tokens)
+    if len(draft_dists) != k:
+        raise ValueError(f"{k} draft tokens but {len(draft_dists)} draft distributions")
+    target_probs = np.asarray(target_probs, dtype=np.float64)
+    if target_probs.ndim != 2 or target_probs.shape[0] != k + 1:
+        raise ValueError(f"target_probs must have shape ({k + 1}, V), got {target_probs.shape}")
+    for i in range(k):
+        token = int(draft_tokens[i])
+        p, q = target_probs[i], draft_dists[i]
+        if rng.random() >= acceptance_probability(p, q, token):
+            return VerifyOutcome(n_accepted=i, next_token=sample(residual_distribution(p, q, token), rng))
+    return VerifyOutcome(n_accepted=k, next_token=sample(target_probs[k], rng))

@@ -1,0 +1,84 @@
+"""`make run`: the whole stack on this machine — target, draft and gateway as three processes on 127.0.0.1.
+
+Each service is its own process (as it would be its own container), started with the settings below; the gateway
+waits for both to report SERVING. Ctrl-C stops all three, by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _spawn(name: str, module: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    print(f"tandem: starting {name}: python -m {module} {' '.join(args)}", flush=True)
+    return subprocess.Popen([sys.executable, "-m", module, *args], env=env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", 8000)), help="gateway HTTP port")
+    parser.add_argument("--host", default="127.0.0.1", help="gateway HTTP address")
+    parser.add_argument("--drafter", choices=["ngram", "model"], default="ngram")
+    parser.add_argument("--model", type=Path, default=None, help="target GGUF (default: embedded SmolLM2-135M)")
+    parser.add_argument("--draft-model", type=Path, default=None, help="draft GGUF for --drafter model")
+    parser.add_argument("--target-port", type=int, default=50051)
+    parser.add_argument("--draft-port", type=int, default=50052)
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads per model service (0 = all cores)")
+    args = parser.parse_args(argv)
+
+    env = dict(os.environ)
+    target_args = ["--port", str(args.target_port), "--n-threads", str(args.threads)]
+    if args.model:
+        target_args += ["--model", str(args.model)]
+    draft_args = ["--port", str(args.draft_port), "--drafter", args.drafter, "--n-threads", str(args.threads)]
+    if args.draft_model:
+        draft_args += ["--model", str(args.draft_model)]
+    gateway_args = [
+        "--host", args.host, "--port", str(args.port),
+        "--target", f"127.0.0.1:{args.target_port}", "--draft", f"127.0.0.1:{args.draft_port}",
+    ]  # fmt: skip
+    procs = [
+        _spawn("target", "services.target", target_args, env),
+        _spawn("draft", "services.draft", draft_args, env),
+        _spawn("gateway", "services.gateway", gateway_args, env),
+    ]
+    print(f"tandem: OpenAI API at http://{args.host}:{args.port}/v1 once /health says ok; Ctrl-C stops", flush=True)
+
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    code = 0
+    try:
+        while not stopping:
+            for proc in procs:
+                if proc.poll() is not None:
+                    print(f"tandem: pid {proc.pid} exited with {proc.returncode}; stopping the stack", flush=True)
+                    code = proc.returncode or 1
+                    stopping = True
+            time.sleep(0.2)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
