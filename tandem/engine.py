@@ -129,7 +129,9 @@ class Engine:
         self._want = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
         self._nseq[:] = 1
 
-        self.name = _meta(self._model, "general.name") or path.stem
+        # The file name is what users recognise and pass as `model` (llama-server does the same).
+        self.name = path.stem
+        self.description = _meta(self._model, "general.name")
         self.architecture = _meta(self._model, "general.architecture")
         template = llama_cpp.llama_model_chat_template(self._model, None)
         self.chat_template = template.decode("utf-8", "replace") if template else ""

@@ -14,6 +14,21 @@ from services.gateway.errors import OpenAIError
 from tandem.sampling import SamplingParams
 
 MAX_STOP_SEQUENCES = 16
+# Accepted by OpenAI but not served here: ignoring them would change the answer silently.
+UNSUPPORTED = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "logit_bias",
+    "suffix",
+    "best_of",
+    "echo",
+    "audio",
+    "modalities",
+    "prediction",
+)
 
 
 class StreamOptions(BaseModel):
@@ -69,27 +84,12 @@ class SamplingFields(BaseModel):
     speculative_n_max: int | None = Field(None, alias="speculative.n_max", ge=0, le=64)
     speculative_n_min: int | None = Field(None, alias="speculative.n_min", ge=0, le=64)
 
-    UNSUPPORTED = (
-        "tools",
-        "tool_choice",
-        "functions",
-        "function_call",
-        "response_format",
-        "logit_bias",
-        "suffix",
-        "best_of",
-        "echo",
-        "audio",
-        "modalities",
-        "prediction",
-    )
-
     @model_validator(mode="after")
     def _reject_unsupported(self) -> SamplingFields:
         if self.n != 1:
             raise OpenAIError(400, "only n=1 is supported", "n")
         extra = self.model_extra or {}
-        for name in self.UNSUPPORTED:
+        for name in UNSUPPORTED:
             value = extra.get(name)
             if value not in (None, [], {}, False, "none", "auto"):
                 raise OpenAIError(400, f"parameter {name!r} is not supported by this server", name)

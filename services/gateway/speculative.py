@@ -116,7 +116,8 @@ class Generation:
             session_id=self.session_id,
             prompt_token_ids=self.req.prompt_token_ids,
             sampling=self._sampling_pb(),
-            top_logprobs=self.req.top_logprobs,
+            logprobs=self.req.top_logprobs >= 0,
+            top_logprobs=max(self.req.top_logprobs, 0),
         )
         target_call = self.up.target.Open(pb.OpenRequest(items=[item]), timeout=self.timeout)
         if not self._use_draft:

@@ -48,7 +48,12 @@ class TargetServicer(pb_grpc.TargetServicer):
         v = self._ready()
         t0, f0 = time.perf_counter_ns(), v.engine.forward_ns
         specs = [
-            OpenSpec(item.session_id, list(item.prompt_token_ids), sampling_from_pb(item.sampling), item.top_logprobs)
+            OpenSpec(
+                item.session_id,
+                list(item.prompt_token_ids),
+                sampling_from_pb(item.sampling),
+                item.top_logprobs if item.logprobs else -1,
+            )
             for item in request.items
         ]
         results = await self.worker.run(v.open, specs)

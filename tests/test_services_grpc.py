@@ -1,0 +1,245 @@
+"""The gRPC contract, against the real target and draft services with the real model."""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
+from tests.conftest import Service, start_model_service
+
+GREEDY = pb.SamplingParams(temperature=0.0)
+
+
+def _sid() -> str:
+    return uuid.uuid4().hex
+
+
+def _prompt(
+    stub: pb_grpc.TargetStub, text: str = "The quick brown fox jumps over the lazy dog. The quick"
+) -> list[int]:
+    return list(stub.Tokenize(pb.TokenizeRequest(text=text, add_special=True)).token_ids)
+
+
+def _code(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code()
+
+
+def test_info_describes_model_and_vocab(target_channel: grpc.Channel) -> None:
+    info = pb_grpc.TargetStub(target_channel).Info(pb.InfoRequest())
+    assert info.vocab_size == 49152
+    assert len(info.vocab_fingerprint) == 64
+    assert info.context_size == 8192
+    assert info.backend == "CPU"
+    assert info.model_name == "SmolLM2-135M-Instruct.Q4_1"
+    assert "<|im_start|>" in info.chat_template
+    assert 2 in info.eog_token_ids  # <|im_end|>
+    assert "llama-cpp-python" in info.version
+
+
+def test_draft_model_has_same_fingerprint(target_channel: grpc.Channel, draft_channel: grpc.Channel) -> None:
+    t = pb_grpc.TargetStub(target_channel).Info(pb.InfoRequest())
+    d = pb_grpc.DraftStub(draft_channel).Info(pb.InfoRequest())
+    assert d.drafter == "model"
+    assert d.vocab_fingerprint == t.vocab_fingerprint
+
+
+def test_health_and_reflection(target_channel: grpc.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(target_channel)
+    reply = health.Check(health_pb2.HealthCheckRequest(service="tandem.v1.Target"))
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(target_channel)
+    answers = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in answers[0].list_services_response.service}
+    assert {"tandem.v1.Target", "grpc.health.v1.Health"} <= names
+
+
+def test_health_not_serving_while_loading(service_tmp) -> None:
+    """A service listens before its model loads and says NOT_SERVING until then (here: a model that cannot load)."""
+    bad = service_tmp / "not-a-model.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    svc: Service = start_model_service("services.target", ["--model", str(bad)], service_tmp, wait_ready=False)
+    try:
+        with grpc.insecure_channel(svc.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            statuses = set()
+            try:
+                for _ in range(50):
+                    statuses.add(health.Check(health_pb2.HealthCheckRequest(service="tandem.v1.Target")).status)
+            except grpc.RpcError:
+                pass  # the process gives up on the broken model and exits
+        assert health_pb2.HealthCheckResponse.SERVING not in statuses
+        svc.proc.wait(timeout=30)
+        assert svc.proc.returncode != 0
+        assert "model failed to load" in svc.log()
+    finally:
+        svc.stop()
+
+
+def test_open_verify_greedy_matches_plain_decoding(target_channel: grpc.Channel) -> None:
+    """Verify with no draft is one plain greedy step; drafting the target's own tokens must accept them all."""
+    stub = pb_grpc.TargetStub(target_channel)
+    prompt = _prompt(stub)
+    sid = _sid()
+    opened = stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)]))
+    result = opened.results[0]
+    assert result.position == len(prompt) + 1
+    plain = [result.first_token.id]
+    pos = result.position
+    for _ in range(6):
+        r = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos)])).results[0]
+        assert r.num_accepted == 0 and len(r.tokens) == 1
+        plain.append(r.tokens[0].id)
+        pos = r.position
+    assert stub.Close(pb.CloseRequest(session_ids=[sid])).closed == 1
+
+    sid2 = _sid()
+    opened = stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid2, prompt_token_ids=prompt, sampling=GREEDY)]))
+    assert opened.results[0].first_token.id == plain[0]
+    reply = stub.Verify(
+        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid2, position=len(prompt) + 1, draft_token_ids=plain[1:4])])
+    )
+    r = reply.results[0]
+    assert r.num_accepted == 3
+    assert [t.id for t in r.tokens][:3] == plain[1:4]
+    assert r.position == len(prompt) + 1 + 4
+    assert reply.timing.forward_ns > 0 and reply.timing.total_ns >= reply.timing.forward_ns
+    stub.Close(pb.CloseRequest(session_ids=[sid2]))
+
+
+def test_rejected_draft_rolls_back_kv(target_channel: grpc.Channel) -> None:
+    """A wrong draft is rejected at its first token and leaves no trace: the next steps equal plain decoding."""
+    stub = pb_grpc.TargetStub(target_channel)
+    prompt = _prompt(stub, "def add(a, b):\n    return")
+    plain_sid, spec_sid = _sid(), _sid()
+    for sid in (plain_sid, spec_sid):
+        stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)]))
+    pos = len(prompt) + 1
+    plain = []
+    for _ in range(5):
+        r = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=plain_sid, position=pos)])).results[0]
+        plain.append(r.tokens[0].id)
+        pos = r.position
+    junk = [t for t in (100, 200, 300, 400) if t != plain[0]][:3]
+    r = stub.Verify(
+        pb.VerifyRequest(items=[pb.VerifyItem(session_id=spec_sid, position=len(prompt) + 1, draft_token_ids=junk)])
+    ).results[0]
+    assert r.num_accepted == 0
+    assert [t.id for t in r.tokens] == [plain[0]]
+    pos = r.position
+    rest = []
+    for _ in range(4):
+        r = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=spec_sid, position=pos)])).results[0]
+        rest.append(r.tokens[0].id)
+        pos = r.position
+    assert rest == plain[1:]
+    stub.Close(pb.CloseRequest(session_ids=[plain_sid, spec_sid]))
+
+
+def test_position_mismatch_and_retry(target_channel: grpc.Channel) -> None:
+    stub = pb_grpc.TargetStub(target_channel)
+    prompt = _prompt(stub)
+    sid = _sid()
+    stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)]))
+    pos = len(prompt) + 1
+    request = pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, draft_token_ids=[11, 12])])
+    first = stub.Verify(request)
+    again = stub.Verify(request)  # an exact retry is answered from memory, not applied twice
+    assert again.results == first.results
+    stale = pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos + 7)])
+    assert _code(lambda: stub.Verify(stale)) == grpc.StatusCode.FAILED_PRECONDITION
+    # The session still works at its real position.
+    after = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=first.results[0].position)]))
+    assert after.results[0].position == first.results[0].position + 1
+    stub.Close(pb.CloseRequest(session_ids=[sid]))
+
+
+def test_bad_calls_get_status_codes(target_channel: grpc.Channel) -> None:
+    stub = pb_grpc.TargetStub(target_channel)
+    unknown = pb.VerifyRequest(items=[pb.VerifyItem(session_id="nope", position=1)])
+    assert _code(lambda: stub.Verify(unknown)) == grpc.StatusCode.NOT_FOUND
+    empty = pb.OpenRequest(items=[pb.OpenItem(session_id=_sid(), sampling=GREEDY)])
+    assert _code(lambda: stub.Open(empty)) == grpc.StatusCode.INVALID_ARGUMENT
+    out_of_vocab = pb.OpenRequest(items=[pb.OpenItem(session_id=_sid(), prompt_token_ids=[1, 10**6])])
+    assert _code(lambda: stub.Open(out_of_vocab)) == grpc.StatusCode.INVALID_ARGUMENT
+    too_long = pb.OpenRequest(items=[pb.OpenItem(session_id=_sid(), prompt_token_ids=[5] * 9000, sampling=GREEDY)])
+    assert _code(lambda: stub.Open(too_long)) == grpc.StatusCode.INVALID_ARGUMENT
+    sid = _sid()
+    stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=[1, 2, 3], sampling=GREEDY)]))
+    bad_token = pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=4, draft_token_ids=[-5])])
+    assert _code(lambda: stub.Verify(bad_token)) == grpc.StatusCode.INVALID_ARGUMENT
+    bad_dist = pb.VerifyRequest(
+        items=[
+            pb.VerifyItem(
+                session_id=sid,
+                position=4,
+                draft_token_ids=[7],
+                draft_distributions=[pb.SparseDistribution(token_ids=[7, 7], probs=[0.5, 0.5])],
+            )
+        ]
+    )
+    assert _code(lambda: stub.Verify(bad_dist)) == grpc.StatusCode.INVALID_ARGUMENT
+    # None of the failed calls touched the session.
+    ok = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=4)]))
+    assert ok.results[0].position == 5
+    assert stub.Close(pb.CloseRequest(session_ids=[sid, sid])).closed == 1
+
+
+def test_draft_propose_appends_and_reuses_kv(draft_channel: grpc.Channel, target_channel: grpc.Channel) -> None:
+    """The model drafter (same model) proposes exactly the target's greedy continuation."""
+    target = pb_grpc.TargetStub(target_channel)
+    draft = pb_grpc.DraftStub(draft_channel)
+    prompt = _prompt(target)
+    sid = _sid()
+    first = target.Open(
+        pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)])
+    ).results[0]
+    opened = draft.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)]))
+    assert opened.results[0].position == len(prompt)
+    prop = draft.Propose(
+        pb.ProposeRequest(
+            items=[
+                pb.ProposeItem(
+                    session_id=sid, position=len(prompt), append_token_ids=[first.first_token.id], max_tokens=4
+                )
+            ]
+        )
+    ).proposals[0]
+    assert prop.position == len(prompt) + 1
+    assert len(prop.token_ids) == 4 and not prop.distributions  # greedy drafts send no distributions
+    verified = target.Verify(
+        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=first.position, draft_token_ids=prop.token_ids)])
+    ).results[0]
+    assert verified.num_accepted >= 3  # same model: batched numerics may flip at most a near-tie
+    stale = pb.ProposeRequest(items=[pb.ProposeItem(session_id=sid, position=len(prompt), max_tokens=2)])
+    assert _code(lambda: draft.Propose(stale)) == grpc.StatusCode.FAILED_PRECONDITION
+    for stub in (target, draft):
+        stub.Close(pb.CloseRequest(session_ids=[sid]))
+
+
+def test_sampled_draft_sends_exact_distributions(draft_channel: grpc.Channel, target_channel: grpc.Channel) -> None:
+    target = pb_grpc.TargetStub(target_channel)
+    draft = pb_grpc.DraftStub(draft_channel)
+    prompt = _prompt(target)
+    sid = _sid()
+    params = pb.SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=7)
+    draft.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=params)]))
+    prop = draft.Propose(
+        pb.ProposeRequest(
+            items=[pb.ProposeItem(session_id=sid, position=len(prompt), append_token_ids=[], max_tokens=3)]
+        )
+    ).proposals[0]
+    assert len(prop.distributions) == len(prop.token_ids) == 3
+    for token, dist in zip(prop.token_ids, prop.distributions, strict=True):
+        assert token in dist.token_ids
+        assert 1 <= len(dist.token_ids) <= 40
+        assert abs(float(np.sum(dist.probs)) - 1.0) < 1e-4
+    draft.Close(pb.CloseRequest(session_ids=[sid]))
