@@ -22,6 +22,8 @@ from tandem.engine import DecodeItem, Engine
 from tandem.sampling import SparseDist
 from tandem.sessions import Session
 
+SINGLE_STEP_CATCH_UP = 4
+
 
 @dataclass(frozen=True)
 class Draft:
@@ -73,6 +75,8 @@ class NgramIndex:
         self.indexed = len(tokens)
 
     def lookup(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
+        if max_tokens <= 0:
+            return []
         end = len(tokens)
         for n in range(min(self.n_max, end), self.n_min - 1, -1):
             j = self.follow[n].get(tuple(tokens[end - n :]))
@@ -128,8 +132,15 @@ class ModelDrafter(Drafter):
             kept -= 1  # the last token's logits are needed again: recompute that one cell
             del session.kv_tokens[kept:]
         self.engine.truncate(session.seq_id, kept)
-        (rows,) = self.engine.decode([DecodeItem(session.seq_id, session.tokens[kept:], kept, "last")])
-        session.kv_tokens.extend(session.tokens[kept:])
+        missing = session.tokens[kept:]
+        if len(missing) <= SINGLE_STEP_CATCH_UP:
+            # One token per pass, like the draft's own proposals and like target-only decoding: the draft's KV then
+            # matches one-token numerics exactly, so a same-model draft agrees with the target bit for bit.
+            for i, token in enumerate(missing):
+                (rows,) = self.engine.decode([DecodeItem(session.seq_id, [token], kept + i, "last")])
+        else:
+            (rows,) = self.engine.decode([DecodeItem(session.seq_id, missing, kept, "last")])
+        session.kv_tokens.extend(missing)
         return rows[-1]
 
     def propose(self, session: Session, max_tokens: int) -> Draft:

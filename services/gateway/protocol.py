@@ -14,6 +14,8 @@ from services.gateway.errors import OpenAIError
 from tandem.sampling import SamplingParams
 
 MAX_STOP_SEQUENCES = 16
+# Explicit OpenAI defaults change nothing and are accepted.
+HARMLESS_VALUES: dict[str, tuple] = {"best_of": (1,), "response_format": ({"type": "text"},)}
 # Accepted by OpenAI but not served here: ignoring them would change the answer silently.
 UNSUPPORTED = (
     "tools",
@@ -91,7 +93,7 @@ class SamplingFields(BaseModel):
         extra = self.model_extra or {}
         for name in UNSUPPORTED:
             value = extra.get(name)
-            if value not in (None, [], {}, False, "none", "auto"):
+            if value not in HARMLESS_VALUES.get(name, ()) and value not in (None, [], {}, False, "none", "auto"):
                 raise OpenAIError(400, f"parameter {name!r} is not supported by this server", name)
         for name in ("frequency_penalty", "presence_penalty"):
             value = extra.get(name)

@@ -1,0 +1,191 @@
+"""Tests for the model-free n-gram drafter (services/draft/drafters.py): NgramIndex and NgramDrafter.
+
+Every case is a tiny sequence whose proposal can be worked out by hand: the longest suffix of the sequence that
+occurred earlier is found, and the tokens that followed its latest earlier occurrence are proposed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from services.draft.drafters import Draft, NgramDrafter, NgramIndex
+from tandem.sampling import SamplingParams
+from tandem.sessions import Session
+
+
+def index_of(tokens: Sequence[int], n_min: int = 1, n_max: int = 4) -> NgramIndex:
+    index = NgramIndex(n_min, n_max)
+    index.extend(tokens)
+    return index
+
+
+def lookup(tokens: Sequence[int], max_tokens: int, n_min: int = 1, n_max: int = 4) -> list[int]:
+    return index_of(tokens, n_min, n_max).lookup(tokens, max_tokens)
+
+
+def make_session(tokens: Sequence[int]) -> Session:
+    return Session(
+        session_id="s",
+        seq_id=0,
+        prompt=tuple(tokens),
+        sampling=SamplingParams(temperature=0),
+        rng=np.random.default_rng(0),
+        tokens=list(tokens),
+    )
+
+
+# --- NgramIndex -------------------------------------------------------------------------------------------------
+
+
+def test_docstring_example() -> None:
+    # (5, 6) occurred at positions 0-1 and was followed by position 2.
+    assert lookup([5, 6, 7, 5, 6], 3) == [7, 5, 6]
+
+
+def test_longest_suffix_wins_over_more_recent_shorter_one() -> None:
+    # (1, 2, 3) occurred at 0-2 (followed by 50); the shorter (2, 3) occurred later at 5-6 (followed by 60).
+    tokens = [1, 2, 3, 50, 9, 2, 3, 60, 1, 2, 3]
+    assert lookup(tokens, 3) == [50, 9, 2]
+    # With n capped at 2, only the shorter suffix is looked up, and its latest occurrence wins.
+    assert lookup(tokens, 3, n_max=2) == [60, 1, 2]
+
+
+def test_latest_earlier_occurrence_wins() -> None:
+    assert lookup([5, 6, 7, 5, 6, 8, 5, 6], 3) == [8, 5, 6]
+
+
+def test_falls_back_to_shorter_suffix() -> None:
+    # No earlier (2, 9) or longer; the 1-gram (9,) occurred at position 1, followed by 4.
+    assert lookup([3, 9, 4, 2, 9], 2) == [4, 2]
+
+
+def test_no_match_proposes_nothing() -> None:
+    assert lookup([1, 2, 3, 4], 5) == []
+
+
+def test_n_min_excludes_short_matches() -> None:
+    tokens = [3, 9, 4, 2, 9]  # only the 1-gram (9,) repeats
+    assert lookup(tokens, 2, n_min=1) == [4, 2]
+    assert lookup(tokens, 2, n_min=2) == []
+
+
+def test_empty_and_single_token_sequences() -> None:
+    assert lookup([], 4) == []
+    assert lookup([7], 4) == []
+
+
+def test_continuation_runs_into_the_suffix_itself() -> None:
+    # (1, 2) at 0-1 is followed by positions 2-3, which are the suffix (1, 2) itself.
+    assert lookup([1, 2, 1, 2], 2) == [1, 2]
+    assert lookup([1, 2, 1, 2], 8)[:2] == [1, 2]
+    # A constant run: (7, 7, 7) at 0-2 is followed by position 3.
+    assert lookup([7, 7, 7, 7], 1) == [7]
+
+
+@pytest.mark.parametrize(("max_tokens", "expected"), [(0, []), (1, [2]), (3, [2, 3, 4]), (5, [2, 3, 4, 5, 6])])
+def test_max_tokens_respected(max_tokens: int, expected: list[int]) -> None:
+    assert lookup([1, 2, 3, 4, 5, 6, 1], max_tokens) == expected
+
+
+def test_negative_max_tokens_proposes_nothing() -> None:
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1]  # (1,) matches at j=1; tokens[1:-4] == [2, 3, 4, 5, 6]
+    assert lookup(tokens, -5) == []
+
+
+def test_incremental_extend_equals_one_shot() -> None:
+    rng = np.random.default_rng(1)
+    tokens = [int(t) for t in rng.integers(0, 4, size=60)]  # small vocab: many repeated n-grams
+    one_shot = index_of(tokens, 1, 3)
+    incremental = NgramIndex(1, 3)
+    cut = 0
+    for step in (0, 1, 1, 2, 0, 5, 7, 13, 31):
+        cut += step
+        incremental.extend(tokens[:cut])
+        assert incremental.indexed == cut
+        # At every prefix, the incrementally built index answers like a fresh one.
+        assert incremental.lookup(tokens[:cut], 4) == index_of(tokens[:cut], 1, 3).lookup(tokens[:cut], 4)
+    assert cut == len(tokens)
+    assert incremental.follow == one_shot.follow
+    assert incremental.indexed == one_shot.indexed == len(tokens)
+
+
+def test_extend_twice_with_same_tokens_is_a_no_op() -> None:
+    index = index_of([1, 2, 1, 3, 1])
+    before = {n: dict(table) for n, table in index.follow.items()}
+    index.extend([1, 2, 1, 3, 1])
+    assert index.follow == before
+
+
+def test_index_never_contains_the_final_suffix() -> None:
+    # The n-grams ending at the last token have no follower yet: looking them up must not return the end.
+    index = index_of([4, 5, 6])
+    assert (5, 6) not in index.follow[2]
+    assert index.follow[2] == {(4, 5): 2}
+    assert index.follow[1] == {(4,): 1, (5,): 2}
+
+
+# --- NgramDrafter ---------------------------------------------------------------------------------------------------
+
+
+def test_drafter_open_and_propose() -> None:
+    drafter = NgramDrafter()
+    session = make_session([5, 6, 7, 5, 6])
+    drafter.open([session])
+    assert isinstance(session.extra, NgramIndex)
+    assert drafter.propose(session, 2) == Draft([7, 5], None)
+
+
+@pytest.mark.parametrize("max_tokens", [0, -1])
+def test_drafter_non_positive_max_tokens(max_tokens: int) -> None:
+    drafter = NgramDrafter()
+    session = make_session([5, 6, 7, 5, 6])
+    drafter.open([session])
+    assert drafter.propose(session, max_tokens) == Draft([], None)
+
+
+def test_drafter_appended_indexes_new_tokens() -> None:
+    drafter = NgramDrafter()
+    session = make_session([1, 2, 3])
+    drafter.open([session])
+    assert drafter.propose(session, 4).tokens == []
+    start = len(session.tokens)
+    session.tokens.extend([4, 1, 2])
+    drafter.appended(session, start)
+    # (1, 2) at 0-1 is followed by 3, then the appended tokens.
+    assert drafter.propose(session, 4).tokens == [3, 4, 1, 2]
+    assert session.extra.indexed == len(session.tokens)
+
+
+def test_drafter_truncated_forgets_removed_tokens() -> None:
+    drafter = NgramDrafter()
+    session = make_session([1, 2, 3, 1, 2, 99, 1, 2])
+    drafter.open([session])
+    # Latest earlier (1, 2) is at 3-4, followed by the soon-removed 99.
+    assert drafter.propose(session, 3).tokens == [99, 1, 2]
+
+    del session.tokens[5:]  # roll back to [1, 2, 3, 1, 2]
+    drafter.truncated(session)
+    proposal = drafter.propose(session, 3).tokens
+    assert 99 not in proposal
+    assert proposal == [3, 1, 2]  # the earlier occurrence at 0-1, followed by 3
+    assert session.extra.indexed == 5
+
+    # New tokens after the rollback: the index is that of the new sequence, as if built from scratch.
+    start = len(session.tokens)
+    session.tokens.extend([8, 1, 2])
+    drafter.appended(session, start)
+    assert session.extra.follow == index_of(session.tokens).follow
+    assert drafter.propose(session, 3).tokens == [8, 1, 2]
+
+
+def test_drafter_sessions_have_independent_indexes() -> None:
+    drafter = NgramDrafter(n_min=1, n_max=2)
+    a = make_session([1, 2, 1])
+    b = make_session([1, 3, 1])
+    drafter.open([a, b])
+    assert a.extra is not b.extra
+    assert drafter.propose(a, 1).tokens == [2]
+    assert drafter.propose(b, 1).tokens == [3]
