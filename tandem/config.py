@@ -73,7 +73,7 @@ class DraftSettings(ServiceSettings):
     ngram_max: int = Field(4, ge=1, le=16, description="n-gram drafter: longest suffix to match")
     ngram_min: int = Field(1, ge=1, le=16, description="n-gram drafter: shortest suffix to match")
     draft_support: int = Field(
-        32, ge=1, le=4096, description="model drafter, sampling: tokens kept in the draft distribution it sends"
+        256, ge=1, le=4096, description="model drafter, sampling: tokens kept in the draft distribution it sends"
     )
 
 
