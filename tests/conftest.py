@@ -7,107 +7,19 @@ stopped by PID at the end of the session.
 from __future__ import annotations
 
 import os
-import re
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-LISTEN = re.compile(r"tandem: \S+ listening on ([\d.]+):(\d+)")
-READY = re.compile(r"tandem: \S+ ready on ")
+from tandem.launch import Process, start_gateway, start_model_service
+
+__all__ = ["Service", "start_gateway", "start_model_service"]
+
+Service = Process
 # Two model processes share this 2-core machine in tests: one thread each keeps them from starving each other.
 THREADS = os.environ.get("TANDEM_TEST_THREADS", "1")
-
-
-@dataclass
-class Service:
-    name: str
-    proc: subprocess.Popen
-    address: str
-    log_path: Path
-    extra: dict = field(default_factory=dict)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for(path: Path, pattern: re.Pattern, proc: subprocess.Popen, timeout: float) -> re.Match:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        match = pattern.search(path.read_text(errors="replace"))
-        if match:
-            return match
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"{proc.args} exited with {proc.returncode}:\n{path.read_text(errors='replace')[-3000:]}"
-            )
-        time.sleep(0.05)
-    raise TimeoutError(f"{proc.args} did not print {pattern.pattern!r} in {timeout} s")
-
-
-def start_model_service(module: str, args: list[str], tmp: Path, wait_ready: bool = True) -> Service:
-    """Start `python -m module --port 0 ...`, learn its port from its first line, wait until it reports ready."""
-    name = module.rsplit(".", 1)[-1]
-    log_path = tmp / f"{name}-{time.monotonic_ns()}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", "0", *args],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    match = _wait_for(log_path, LISTEN, proc, 60)
-    service = Service(name, proc, f"{match.group(1)}:{match.group(2)}", log_path)
-    if wait_ready:
-        _wait_for(log_path, READY, proc, 120)
-    return service
-
-
-def start_gateway(target: str, draft: str | None, tmp: Path, *extra: str) -> Service:
-    port = free_port()
-    log_path = tmp / f"gateway-{port}.log"
-    args = ["--host", "127.0.0.1", "--port", str(port), "--target", target, "--draft", draft or "", *extra]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.gateway", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
-        )
-    service = Service("gateway", proc, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"gateway exited:\n{service.log()[-3000:]}")
-        try:
-            if httpx.get(f"{service.address}/health", timeout=2).status_code == 200:
-                return service
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    service.stop()
-    raise TimeoutError(f"gateway not healthy:\n{service.log()[-3000:]}")
 
 
 @pytest.fixture(scope="session")

@@ -47,10 +47,12 @@ class GenerationStats:
     prompt_ns: int = 0
     predicted_n: int = 0
     predicted_ns: int = 0
-    rounds: int = 0
+    rounds: int = 0  # verify rounds that carried a draft
+    verify_calls: int = 0  # all verify calls, with or without a draft
     draft_n: int = 0
     draft_n_accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    drafts_per_position: list[int] = field(default_factory=list)
     draft_ns: int = 0  # wall time of Propose calls seen by the gateway
     verify_ns: int = 0  # wall time of Verify calls seen by the gateway
     draft_forward_ns: int = 0  # time inside the draft model's forward passes
@@ -63,6 +65,9 @@ class GenerationStats:
         self.draft_n_accepted += accepted
         while len(self.accepted_per_position) < proposed:
             self.accepted_per_position.append(0)
+            self.drafts_per_position.append(0)
+        for i in range(proposed):
+            self.drafts_per_position[i] += 1
         for i in range(accepted):
             self.accepted_per_position[i] += 1
 
@@ -84,6 +89,15 @@ class GenerationStats:
             if self.rounds
             else None,
             "speculation": self.speculation,
+            # tandem's own split of decode time, for benchmarks: compute inside each service vs everything else.
+            "rounds": self.rounds,
+            "verify_calls": self.verify_calls,
+            "draft_compute_ms": round(self.draft_forward_ns / 1e6, 3),
+            "verify_compute_ms": round(self.verify_forward_ns / 1e6, 3),
+            "draft_rpc_ms": round(self.draft_ns / 1e6, 3),
+            "verify_rpc_ms": round(self.verify_ns / 1e6, 3),
+            "accepted_per_position": list(self.accepted_per_position),
+            "drafts_per_position": list(self.drafts_per_position),
         }
 
 
@@ -200,6 +214,7 @@ class Generation:
                 )
                 self.stats.verify_ns += time.perf_counter_ns() - v0
                 self.stats.verify_forward_ns += verified.timing.forward_ns
+                self.stats.verify_calls += 1
                 result = verified.results[0]
                 target_pos = result.position
                 if drafts:

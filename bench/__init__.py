@@ -1,0 +1,1 @@
+"""Benchmarks: tandem against target-only decoding and llama.cpp's llama-server (not part of the serving path)."""

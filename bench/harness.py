@@ -1,0 +1,302 @@
+"""`make bench`: tandem against target-only decoding (and optionally llama.cpp's llama-server), side by side.
+
+Every configuration runs in the same process tree, interleaved: for each repetition, each workload prompt is sent to
+every configuration in a rotating order, so machine noise hits them alike. Numbers are medians over repetitions and
+prompts; speedups are ratios within one run. Hardware specifics (GPU layers, devices, threads) come from the
+command line, so the same harness runs unchanged on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench.workloads import Workload, workloads
+from tandem.launch import Process, free_port, start_gateway, start_model_service, wait_http_ok
+
+MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    family: str  # "tandem" or "llama-server"
+    url: str
+    n_max: int | None  # per-request "speculative.n_max"; None = the server's own setting
+    baseline: str  # the configuration this one's speedup and text are compared with
+    drafter: str = "none"
+
+
+@dataclass
+class Record:
+    config: str
+    workload: str
+    prompt: int
+    rep: int
+    text: str
+    timings: dict
+    wall_s: float
+
+
+@dataclass
+class Stack:
+    processes: list[Process] = field(default_factory=list)
+    peers: list[subprocess.Popen] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for p in reversed(self.processes):
+            p.stop()
+        for proc in self.peers:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+def start_tandem(args: argparse.Namespace, log_dir: Path, stack: Stack) -> tuple[str, str | None]:
+    """Target, n-gram draft and (unless disabled) model draft, each with a gateway. Returns the gateway URLs."""
+    model = ["--model", args.model] if args.model else []
+    draft_model = ["--model", args.draft_model or args.model] if (args.draft_model or args.model) else []
+    print("starting target ...", file=sys.stderr, flush=True)
+    target = start_model_service("services.target", [*model, *shlex.split(args.target_args)], log_dir)
+    stack.processes.append(target)
+    ngram = start_model_service("services.draft", ["--drafter", "ngram"], log_dir)
+    stack.processes.append(ngram)
+    ngram_gw = start_gateway(target.address, ngram.address, log_dir, "--n-max", "4")
+    stack.processes.append(ngram_gw)
+    model_url = None
+    if not args.no_model_draft:
+        print("starting model draft ...", file=sys.stderr, flush=True)
+        draft = start_model_service(
+            "services.draft", ["--drafter", "model", *draft_model, *shlex.split(args.draft_args)], log_dir
+        )
+        stack.processes.append(draft)
+        model_gw = start_gateway(target.address, draft.address, log_dir, "--n-max", "4")
+        stack.processes.append(model_gw)
+        model_url = model_gw.address
+    return ngram_gw.address, model_url
+
+
+def start_peer(binary: str, extra: list[str], log_dir: Path, stack: Stack, model: str) -> str:
+    port = free_port()
+    log_path = log_dir / f"llama-server-{port}.log"
+    cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", "1", "--no-webui", *extra]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    stack.peers.append(proc)
+    wait_http_ok(f"http://127.0.0.1:{port}/health", proc, 300)
+    return f"http://127.0.0.1:{port}"
+
+
+def build_configs(args: argparse.Namespace, log_dir: Path, stack: Stack, ks: list[int]) -> list[Config]:
+    ngram_url, model_url = start_tandem(args, log_dir, stack)
+    configs = [Config("target-only", "tandem", ngram_url, 0, "target-only")]
+    configs += [Config(f"ngram k={k}", "tandem", ngram_url, k, "target-only", "ngram") for k in ks]
+    if model_url:
+        configs += [Config(f"model k={k}", "tandem", model_url, k, "target-only", "model") for k in ks]
+    peer = os.environ.get("LLAMA_SERVER")
+    if peer:
+        from tandem.models import default_model_path
+
+        model = args.model or str(default_model_path())
+        extra = shlex.split(args.peer_args)
+        print("starting llama-server peers ...", file=sys.stderr, flush=True)
+        plain = start_peer(peer, [*extra], log_dir, stack, model)
+        configs.append(Config("llama-server", "llama-server", plain, None, "llama-server"))
+        for k in ks:
+            url = start_peer(
+                peer, [*extra, "--spec-type", "ngram-simple", "--spec-draft-n-max", str(k)], log_dir, stack, model
+            )
+            configs.append(Config(f"llama-server ngram k={k}", "llama-server", url, None, "llama-server", "ngram"))
+        if not args.no_model_draft:
+            draft = args.draft_model or model
+            url = start_peer(peer, [*extra, "-md", draft, *shlex.split(args.peer_draft_args)], log_dir, stack, model)
+            configs += [Config(f"llama-server -md k={k}", "llama-server", url, k, "llama-server", "model") for k in ks]
+    return configs
+
+
+def request(client: httpx.Client, config: Config, workload: Workload, prompt: str, max_tokens: int) -> Record:
+    body: dict = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": workload.temperature,
+        "cache_prompt": False,  # llama-server: no prompt cache across repetitions (tandem has none yet)
+    }
+    if workload.seed is not None:
+        body["seed"] = workload.seed
+    if config.n_max is not None:
+        body["speculative.n_max"] = config.n_max
+        if config.family == "llama-server" and config.n_max:
+            body["speculative.n_min"] = 0
+    t0 = time.perf_counter()
+    response = client.post(f"{config.url}/v1/chat/completions", json=body, timeout=600)
+    response.raise_for_status()
+    data = response.json()
+    return Record(config.name, workload.name, 0, 0, data["choices"][0]["message"]["content"], data.get("timings", {}),
+                  time.perf_counter() - t0)  # fmt: skip
+
+
+def run(configs: list[Config], loads: list[Workload], reps: int, max_tokens: int) -> list[Record]:
+    from tqdm import tqdm
+
+    total = reps * sum(len(w.prompts) for w in loads) * len(configs)
+    records: list[Record] = []
+    with httpx.Client() as client, tqdm(total=total, desc="bench", unit="req", file=sys.stderr) as bar:
+        # Warm-up: one short request per configuration (first-touch allocations, page cache).
+        for config in configs:
+            request(client, config, loads[0], "Hello", 8)
+        for rep in range(reps):
+            for workload in loads:
+                for i, prompt in enumerate(workload.prompts):
+                    shift = (rep + i) % len(configs)
+                    for config in configs[shift:] + configs[:shift]:  # rotate the order: noise hits all alike
+                        bar.set_postfix_str(f"{workload.name} | {config.name}")
+                        record = request(client, config, workload, prompt, max_tokens)
+                        record.prompt, record.rep = i, rep
+                        records.append(record)
+                        bar.update()
+    return records
+
+
+def _median(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarise(configs: list[Config], loads: list[Workload], records: list[Record]) -> list[dict]:
+    by = defaultdict(list)
+    for r in records:
+        by[(r.config, r.workload)].append(r)
+    rows = []
+    for workload in loads:
+        for config in configs:
+            recs = by[(config.name, workload.name)]
+            base = {(r.prompt, r.rep): r for r in by[(config.baseline, workload.name)]}
+            tok_s = _median([r.timings.get("predicted_per_second") for r in recs])
+            base_tok_s = _median([r.timings.get("predicted_per_second") for r in base.values()])
+            drafted = sum(r.timings.get("draft_n", 0) or 0 for r in recs)
+            accepted = sum(r.timings.get("draft_n_accepted", 0) or 0 for r in recs)
+            rounds = sum(r.timings.get("rounds", 0) or 0 for r in recs)
+            predicted_ms = sum(r.timings.get("predicted_ms", 0) or 0 for r in recs)
+            predicted_n = sum(r.timings.get("predicted_n", 0) or 0 for r in recs)
+            draft_ms = sum(r.timings.get("draft_compute_ms", 0) or 0 for r in recs)
+            verify_ms = sum(r.timings.get("verify_compute_ms", 0) or 0 for r in recs)
+            verify_calls = sum(r.timings.get("verify_calls", 0) or 0 for r in recs)
+            pos_acc: list[int] = []
+            pos_n: list[int] = []
+            for r in recs:
+                for i, (a, n) in enumerate(
+                    zip(
+                        r.timings.get("accepted_per_position", []),
+                        r.timings.get("drafts_per_position", []),
+                        strict=False,
+                    )
+                ):
+                    if i >= len(pos_acc):
+                        pos_acc.append(0)
+                        pos_n.append(0)
+                    pos_acc[i] += a
+                    pos_n[i] += n
+            tandem = config.family == "tandem"
+            compute_ms = draft_ms + verify_ms
+            same = None
+            if workload.temperature == 0 and config.baseline != config.name:
+                pairs = [(r, base.get((r.prompt, r.rep))) for r in recs]
+                same = sum(1 for r, b in pairs if b is not None and r.text == b.text) / max(len(pairs), 1)
+            rows.append(
+                {
+                    "config": config.name,
+                    "family": config.family,
+                    "drafter": config.drafter,
+                    "workload": workload.name,
+                    "n": len(recs),
+                    "tok_s": tok_s,
+                    "ttft_ms": _median([r.timings.get("prompt_ms") for r in recs]),
+                    "acceptance": accepted / drafted if drafted else None,
+                    "mean_accepted_length": (accepted + rounds) / rounds if rounds else None,
+                    "speedup": tok_s / base_tok_s if tok_s and base_tok_s else None,
+                    "same_text": same,
+                    "draft_pct": 100 * draft_ms / predicted_ms if tandem and predicted_ms else None,
+                    "verify_pct": 100 * verify_ms / predicted_ms if tandem and predicted_ms else None,
+                    "overhead_pct": 100 * (predicted_ms - compute_ms) / predicted_ms
+                    if tandem and predicted_ms
+                    else None,
+                    "ideal_tok_s": 1000 * predicted_n / compute_ms if tandem and compute_ms else None,
+                    "efficiency": compute_ms / predicted_ms if tandem and predicted_ms else None,
+                    "draft_ms_per_token": draft_ms / drafted if tandem and drafted and draft_ms else None,
+                    "verify_ms_per_call": verify_ms / verify_calls if tandem and verify_calls else None,
+                    "acceptance_by_position": [a / n if n else None for a, n in zip(pos_acc, pos_n, strict=True)],
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one prompt per workload, one repetition, k=4 only")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (default: 1 quick, 3 full)")
+    parser.add_argument("--ks", default=None, help="draft lengths, comma-separated (default: 4 quick, 2,4,8 full)")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    parser.add_argument("--workloads", default=None, help="comma-separated subset of workload names")
+    parser.add_argument("--model", default=None, help="target GGUF (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--draft-model", default=None, help="draft GGUF for the model drafter (default: --model)")
+    parser.add_argument("--target-args", default="", help="extra flags for the target service, e.g. GPU layers")
+    parser.add_argument("--draft-args", default="", help="extra flags for the model draft service")
+    parser.add_argument("--peer-args", default="", help="extra flags for every llama-server (e.g. -t 2 -ngl 99)")
+    parser.add_argument(
+        "--peer-draft-args", default="", help="extra flags for llama-server's -md draft (e.g. -ngld 99)"
+    )
+    parser.add_argument("--no-model-draft", action="store_true", help="skip the model drafter configurations")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<time>)")
+    parser.add_argument("--label", default="", help="a note stored with the results (machine, date, ...)")
+    args = parser.parse_args(argv)
+
+    ks = [int(k) for k in (args.ks or ("4" if args.quick else "2,4,8")).split(",")]
+    reps = args.reps or (1 if args.quick else 3)
+    loads = workloads(args.quick)
+    if args.workloads:
+        wanted = set(args.workloads.split(","))
+        loads = [w for w in loads if w.name in wanted]
+    out = args.out or Path("bench/results") / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    log_dir = out / "logs"
+    log_dir.mkdir(exist_ok=True)
+
+    from bench.report import write_report
+
+    stack = Stack()
+    try:
+        configs = build_configs(args, log_dir, stack, ks)
+        started = time.time()
+        records = run(configs, loads, reps, args.max_tokens)
+        rows = summarise(configs, loads, records)
+        meta = {
+            "command": " ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])]),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "label": args.label,
+            "reps": reps,
+            "ks": ks,
+            "max_tokens": args.max_tokens,
+            "seconds": round(time.time() - started, 1),
+            "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
+        }
+        write_report(out, meta, rows, records)
+    finally:
+        stack.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Benchmark output: a Markdown table on stdout and in table.md, results.json for machines, and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+
+def _fmt(value: object, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def speedup_table(rows: list[dict]) -> str:
+    """Configurations down, workloads across: decode tok/s and (speedup over its own baseline)."""
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    cell = {(r["config"], r["workload"]): r for r in rows}
+    lines = ["| config | " + " | ".join(workloads) + " |", "|---|" + "---|" * len(workloads)]
+    for c in configs:
+        cells = []
+        for w in workloads:
+            r = cell.get((c, w))
+            cells.append(f"{_fmt(r['tok_s'], 1)} ({_fmt(r['speedup'])}x)" if r else "-")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+DETAIL_COLUMNS = [
+    ("config", "config", None),
+    ("workload", "workload", None),
+    ("tok/s", "tok_s", 1),
+    ("TTFT ms", "ttft_ms", 0),
+    ("accept", "acceptance", 2),
+    ("mean len", "mean_accepted_length", 2),
+    ("speedup", "speedup", 2),
+    ("same text", "same_text", 2),
+    ("draft %", "draft_pct", 1),
+    ("verify %", "verify_pct", 1),
+    ("overhead %", "overhead_pct", 1),
+    ("ideal tok/s", "ideal_tok_s", 1),
+    ("efficiency", "efficiency", 2),
+    ("draft ms/tok", "draft_ms_per_token", 2),
+    ("verify ms/call", "verify_ms_per_call", 2),
+]
+
+
+def detail_table(rows: list[dict]) -> str:
+    lines = [
+        "| " + " | ".join(h for h, _, _ in DETAIL_COLUMNS) + " |",
+        "|" + "---|" * len(DETAIL_COLUMNS),
+    ]
+    for r in rows:
+        lines.append(
+            "| " + " | ".join(_fmt(r[k], d) if d is not None else str(r[k]) for _, k, d in DETAIL_COLUMNS) + " |"
+        )
+    return "\n".join(lines)
+
+
+def plots(out: Path, rows: list[dict]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    configs = [c for c in dict.fromkeys(r["config"] for r in rows) if c not in ("target-only", "llama-server")]
+    cell = {(r["config"], r["workload"]): r for r in rows}
+
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(workloads)), 4.5))
+    width = 0.8 / max(len(configs), 1)
+    for i, c in enumerate(configs):
+        values = [(cell.get((c, w)) or {}).get("speedup") or 0 for w in workloads]
+        ax.bar([x + i * width for x in range(len(workloads))], values, width, label=c)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(workloads))], workloads)
+    ax.set_ylabel("decode speedup over own baseline")
+    ax.set_title("Speedup by workload and configuration")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = out / "speedup.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for c in configs:
+        pos = [r["acceptance_by_position"] for r in rows if r["config"] == c and r["acceptance_by_position"]]
+        if not pos:
+            continue
+        n = max(len(p) for p in pos)
+        mean = []
+        for i in range(n):
+            vals = [p[i] for p in pos if i < len(p) and p[i] is not None]
+            mean.append(sum(vals) / len(vals) if vals else None)
+        ax.plot(range(1, n + 1), mean, marker="o", label=c)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted | reached)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Acceptance by draft position (mean over workloads)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "acceptance_by_position.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(path)
+
+    tandem = [c for c in dict.fromkeys(r["config"] for r in rows if r["family"] == "tandem")]
+    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(tandem)), 4.5))
+    parts = [("draft_pct", "draft compute"), ("verify_pct", "verify compute"), ("overhead_pct", "overhead")]
+    bottoms = [0.0] * len(tandem)
+    for key, label in parts:
+        vals = []
+        for c in tandem:
+            xs = [r[key] for r in rows if r["config"] == c and r[key] is not None]
+            vals.append(sum(xs) / len(xs) if xs else 0)
+        ax.bar(range(len(tandem)), vals, bottom=bottoms, label=label)
+        bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
+    ax.set_xticks(range(len(tandem)), tandem, rotation=30, ha="right")
+    ax.set_ylabel("% of decode time (mean over workloads)")
+    ax.set_title("Round time split")
+    ax.legend()
+    fig.tight_layout()
+    path = out / "round_split.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def write_report(out: Path, meta: dict, rows: list[dict], records: list) -> None:
+    summary = speedup_table(rows)
+    detail = detail_table(rows)
+    text = (
+        f"# tandem benchmark\n\n{meta['date']} · `{meta['command']}` · reps {meta['reps']} · "
+        f"max_tokens {meta['max_tokens']} · {meta['seconds']} s{(' · ' + meta['label']) if meta['label'] else ''}\n\n"
+        f"## Decode tok/s (speedup over its own baseline)\n\n{summary}\n\n## Details\n\n{detail}\n"
+    )
+    (out / "table.md").write_text(text)
+    (out / "results.json").write_text(
+        json.dumps({"meta": meta, "rows": rows, "records": [asdict(r) for r in records]}, indent=1)
+    )
+    written = plots(out, rows)
+    print(text)
+    print(f"results: {out}/results.json, {out}/table.md, " + ", ".join(str(p) for p in written))
