@@ -55,7 +55,7 @@ def dist_from_pb(msg: pb.SparseDistribution, n_vocab: int) -> SparseDist:
     return SparseDist(ids, probs / probs.sum())
 
 
-def info_pb(engine: Engine, drafter: str = "", active_sessions: int = 0) -> pb.InfoResponse:
+def info_pb(engine: Engine, drafter: str = "", active_sessions: int = 0, kv_tokens: int = 0) -> pb.InfoResponse:
     """Describe a loaded engine (the target, or a draft service's model drafter)."""
     msg = pb.InfoResponse(
         model_name=engine.name,
@@ -73,6 +73,7 @@ def info_pb(engine: Engine, drafter: str = "", active_sessions: int = 0) -> pb.I
         bos_text=engine.bos_text,
         eos_text=engine.eos_text,
         active_sessions=active_sessions,
+        kv_tokens=kv_tokens,
     )
     if engine.bos_id is not None:
         msg.bos_token_id = engine.bos_id

@@ -17,8 +17,10 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.trace import SpanKind
 
 from tandem.errors import TandemError
+from tandem.telemetry import context_from_metadata, tracer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,15 +55,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
 
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                return await inner(request, context)
-            except TandemError as exc:
-                await context.abort(exc.code, str(exc))
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:
-                log.exception("unhandled error in %s", method)
-                await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            parent = context_from_metadata(context.invocation_metadata())
+            with tracer().start_as_current_span(method, context=parent, kind=SpanKind.SERVER) as span:
+                try:
+                    return await inner(request, context)
+                except TandemError as exc:
+                    span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
+                    await context.abort(exc.code, str(exc))
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:
+                    log.exception("unhandled error in %s", method)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
         return grpc.unary_unary_rpc_method_handler(
             guarded,

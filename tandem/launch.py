@@ -6,6 +6,7 @@ model is loaded. The gateway is started on a free port and polled on /health. Pr
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -66,7 +67,12 @@ def wait_for_line(path: Path, pattern: re.Pattern, proc: subprocess.Popen, timeo
 
 
 def start_model_service(
-    module: str, args: list[str], log_dir: Path, wait_ready: bool = True, timeout: float = 300
+    module: str,
+    args: list[str],
+    log_dir: Path,
+    wait_ready: bool = True,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
 ) -> Process:
     """Start `python -m module --host 127.0.0.1 --port 0 ...` and return once it is ready (or just listening)."""
     name = module.rsplit(".", 1)[-1]
@@ -77,6 +83,7 @@ def start_model_service(
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
     try:
         match = wait_for_line(log_path, LISTEN, proc, 60)

@@ -81,6 +81,11 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens held in the KV cache by all sessions."""
+        return sum(len(s.kv_tokens) for s in self._sessions.values())
+
     def find(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)
 

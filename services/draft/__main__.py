@@ -48,6 +48,9 @@ async def _serve(settings: DraftSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from tandem.telemetry import setup_tracing
+
+    setup_tracing("tandem-draft")
     settings = parse_settings(DraftSettings, argv)
     asyncio.run(_serve(settings))
 

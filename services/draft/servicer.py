@@ -35,7 +35,12 @@ class DraftServicer(pb_grpc.DraftServicer):
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         service = self._ready()
         if self.engine is not None:
-            return info_pb(self.engine, drafter=service.drafter.name, active_sessions=len(service.store))
+            return info_pb(
+                self.engine,
+                drafter=service.drafter.name,
+                active_sessions=len(service.store),
+                kv_tokens=service.store.kv_tokens,
+            )
         return pb.InfoResponse(
             model_name="ngram",
             architecture="prompt-lookup",

@@ -7,18 +7,22 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.gateway import chat, completions, errors
 from services.gateway.chat_template import ChatTemplate
 from services.gateway.errors import OpenAIError
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.serving import Serving, now
 from services.gateway.upstream import connect
 from tandem import __version__
 from tandem.config import GatewaySettings
+from tandem.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
 meta = APIRouter()
+KNOWN_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models"}
 
 
 @meta.get("/health")
@@ -41,6 +45,16 @@ async def health(request: Request) -> JSONResponse:
     )
 
 
+@meta.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus exposition: the gateway's counters plus each service's sessions and KV usage."""
+    registry: GatewayMetrics = request.app.state.metrics
+    upstreams = getattr(request.app.state, "upstreams", None)
+    if upstreams is not None:
+        await registry.refresh_upstreams({"target": upstreams.target, "draft": upstreams.draft})
+    return Response(registry.render(), media_type=CONTENT_TYPE_LATEST)
+
+
 @meta.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
     serving = _serving(request)
@@ -61,6 +75,7 @@ def _serving(request: Request) -> Serving:
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     settings = settings or GatewaySettings()
+    setup_tracing("tandem-gateway")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -77,7 +92,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             info = upstreams.target_info
             app.state.chat_template = ChatTemplate(info.chat_template, info.bos_text, info.eos_text)
             app.state.upstreams = upstreams
-            app.state.serving = Serving(upstreams, settings)
+            app.state.serving = Serving(upstreams, settings, app.state.metrics)
             log.info("gateway ready: serving %s", app.state.serving.model_name)
             print(f"tandem: gateway ready on http://{settings.host}:{settings.port}/v1", flush=True)
 
@@ -92,13 +107,20 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     app = FastAPI(title="tandem", version=__version__, lifespan=lifespan)
     app.state.settings = settings
+    app.state.metrics = GatewayMetrics()
     errors.install(app)
 
     @app.middleware("http")
     async def require_ready(request: Request, call_next):
-        if request.url.path.startswith("/v1/") and getattr(request.app.state, "serving", None) is None:
-            return OpenAIError(503, "the model services are not ready yet", None, "loading").response()
-        return await call_next(request)
+        path = request.url.path
+        if path.startswith("/v1/") and getattr(request.app.state, "serving", None) is None:
+            response = OpenAIError(503, "the model services are not ready yet", None, "loading").response()
+        else:
+            response = await call_next(request)
+        if path.startswith("/v1/"):
+            endpoint = path if path in KNOWN_ENDPOINTS else "other"
+            request.app.state.metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
+        return response
 
     app.include_router(meta)
     app.include_router(chat.router)

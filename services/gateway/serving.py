@@ -13,6 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from services.gateway.errors import OpenAIError, sse_error
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import SamplingFields
 from services.gateway.speculative import Generation, GenerationRequest, GenerationStats
 from services.gateway.text import TextAssembler
@@ -39,8 +40,9 @@ class Outcome:
 
 
 class Serving:
-    def __init__(self, upstreams: Upstreams, settings: GatewaySettings) -> None:
+    def __init__(self, upstreams: Upstreams, settings: GatewaySettings, metrics: GatewayMetrics | None = None) -> None:
         self.up = upstreams
+        self.metrics = metrics
         self.settings = settings
         self.model_name = settings.model_name or upstreams.target_info.model_name
         self.context_size = upstreams.target_info.context_size
@@ -97,7 +99,7 @@ class Serving:
         )
 
     def start(self, gen_req: GenerationRequest) -> Generation:
-        return Generation(self.up, gen_req, self.settings.rpc_timeout_s)
+        return Generation(self.up, gen_req, self.settings.rpc_timeout_s, self.metrics)
 
     async def deltas(self, generation: Generation, stop: Sequence[str]) -> AsyncIterator[Delta]:
         """Visible text as it becomes safe to show, ending with a Delta that carries the finish reason."""

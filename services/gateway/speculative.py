@@ -21,9 +21,12 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import trace
 
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.upstream import Upstreams
 from tandem.sampling import SamplingParams
+from tandem.telemetry import metadata_for, tracer
 from tandem.v1 import tandem_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -104,14 +107,25 @@ class GenerationStats:
 class Generation:
     """One request's speculative decoding; iterate it for tokens, read `stats` at any time."""
 
-    def __init__(self, upstreams: Upstreams, request: GenerationRequest, rpc_timeout_s: float) -> None:
+    def __init__(
+        self,
+        upstreams: Upstreams,
+        request: GenerationRequest,
+        rpc_timeout_s: float,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
         self.up = upstreams
+        self.metrics = metrics
         self.req = request
         self.timeout = rpc_timeout_s
         self.session_id = uuid.uuid4().hex
         self.stats = GenerationStats(prompt_n=len(request.prompt_token_ids))
         self._use_draft = upstreams.draft is not None and request.n_max > 0
         self._draft_open = False
+        self._span: trace.Span = trace.INVALID_SPAN
+
+    def _child(self, name: str, parent: trace.Span | None = None) -> trace.Span:
+        return tracer().start_span(name, context=trace.set_span_in_context(parent or self._span))
 
     def _sampling_pb(self) -> pb.SamplingParams:
         s = self.req.sampling
@@ -124,6 +138,8 @@ class Generation:
         log.warning("draft failed (%s); continuing target-only", exc)
         self._use_draft = False
         self.stats.speculation = "degraded"
+        if self.metrics:
+            self.metrics.degraded.inc()
 
     async def _open(self) -> pb.OpenResult:
         item = pb.OpenItem(
@@ -133,13 +149,20 @@ class Generation:
             logprobs=self.req.top_logprobs >= 0,
             top_logprobs=max(self.req.top_logprobs, 0),
         )
-        target_call = self.up.target.Open(pb.OpenRequest(items=[item]), timeout=self.timeout)
+        span = self._child("open")
+        try:
+            return await self._open_both(item, metadata_for(span))
+        finally:
+            span.end()
+
+    async def _open_both(self, item: pb.OpenItem, metadata) -> pb.OpenResult:
+        target_call = self.up.target.Open(pb.OpenRequest(items=[item]), timeout=self.timeout, metadata=metadata)
         if not self._use_draft:
             return (await target_call).results[0]
         draft_item = pb.OpenItem(
             session_id=self.session_id, prompt_token_ids=self.req.prompt_token_ids, sampling=self._sampling_pb()
         )
-        draft_call = self.up.draft.Open(pb.OpenRequest(items=[draft_item]), timeout=self.timeout)
+        draft_call = self.up.draft.Open(pb.OpenRequest(items=[draft_item]), timeout=self.timeout, metadata=metadata)
         target_res, draft_res = await asyncio.gather(target_call, draft_call, return_exceptions=True)
         if isinstance(target_res, BaseException):
             if not isinstance(draft_res, BaseException):
@@ -153,11 +176,22 @@ class Generation:
 
     async def tokens(self) -> AsyncIterator[pb.Token]:
         """Emitted tokens in order; close the iterator (contextlib.aclosing) to free both sessions early."""
-        t0 = t1 = time.perf_counter_ns()
+        t0 = t1 = last = time.perf_counter_ns()
+        m = self.metrics
+        if m:
+            m.active_requests.inc()
+        self._span = tracer().start_span(
+            "tandem.generate",
+            attributes={"tandem.prompt_tokens": len(self.req.prompt_token_ids), "tandem.n_max": self.req.n_max},
+        )
         try:
             opened = await self._open()
-            t1 = time.perf_counter_ns()
+            t1 = last = time.perf_counter_ns()
             self.stats.prompt_ns = t1 - t0
+            if m:
+                m.ttft.observe(self.stats.prompt_ns / 1e9)
+                m.prompt_tokens.inc(len(self.req.prompt_token_ids))
+                m.generation_tokens.inc()
             self.stats.speculation = "on" if self._use_draft else "off"
             target_pos = opened.position
             draft_pos = len(self.req.prompt_token_ids)
@@ -171,8 +205,12 @@ class Generation:
                 k = min(self.req.n_max, self.req.max_tokens - produced - 1)
                 drafts: list[int] = []
                 dists: list[pb.SparseDistribution] = []
+                round_start = time.perf_counter_ns()
+                compute_ns = 0
+                round_span = self._child("round")
                 if self._use_draft and k > 0:
-                    d0 = time.perf_counter_ns()
+                    d0 = round_start
+                    propose_span = self._child("propose", round_span)
                     try:
                         prop = await self.up.draft.Propose(
                             pb.ProposeRequest(
@@ -186,6 +224,7 @@ class Generation:
                                 ]
                             ),
                             timeout=self.timeout,
+                            metadata=metadata_for(propose_span),
                         )
                         proposal = prop.proposals[0]
                         draft_pos = proposal.position
@@ -193,25 +232,35 @@ class Generation:
                         drafts = list(proposal.token_ids)
                         dists = list(proposal.distributions)
                         self.stats.draft_forward_ns += prop.timing.forward_ns
+                        compute_ns += prop.timing.forward_ns
                     except grpc.aio.AioRpcError as exc:
                         self._draft_failed(exc)
+                        propose_span.record_exception(exc)
+                    finally:
+                        propose_span.end()
                     self.stats.draft_ns += time.perf_counter_ns() - d0
                     if len(drafts) < max(self.req.n_min, 1):
                         drafts, dists = [], []
                 v0 = time.perf_counter_ns()
-                verified = await self.up.target.Verify(
-                    pb.VerifyRequest(
-                        items=[
-                            pb.VerifyItem(
-                                session_id=self.session_id,
-                                position=target_pos,
-                                draft_token_ids=drafts,
-                                draft_distributions=dists,
-                            )
-                        ]
-                    ),
-                    timeout=self.timeout,
-                )
+                verify_span = self._child("verify", round_span)
+                try:
+                    verified = await self.up.target.Verify(
+                        pb.VerifyRequest(
+                            items=[
+                                pb.VerifyItem(
+                                    session_id=self.session_id,
+                                    position=target_pos,
+                                    draft_token_ids=drafts,
+                                    draft_distributions=dists,
+                                )
+                            ]
+                        ),
+                        timeout=self.timeout,
+                        metadata=metadata_for(verify_span),
+                    )
+                finally:
+                    verify_span.end()
+                    round_span.end()
                 self.stats.verify_ns += time.perf_counter_ns() - v0
                 self.stats.verify_forward_ns += verified.timing.forward_ns
                 self.stats.verify_calls += 1
@@ -219,16 +268,37 @@ class Generation:
                 target_pos = result.position
                 if drafts:
                     self.stats.observe_round(len(drafts), result.num_accepted)
+                if m:
+                    compute_ns += verified.timing.forward_ns
+                    m.observe_round(len(drafts), result.num_accepted, time.perf_counter_ns() - round_start, compute_ns)
                 for token in result.tokens:
                     unsent.append(token.id)
                     produced += 1
+                    now = time.perf_counter_ns()
                     self.stats.predicted_n = produced
-                    self.stats.predicted_ns = time.perf_counter_ns() - t1
+                    self.stats.predicted_ns = now - t1
+                    if m:
+                        m.inter_token.observe((now - last) / 1e9)
+                        m.generation_tokens.inc()
+                    last = now
                     yield token
                     if token.is_eog or produced >= self.req.max_tokens:
                         return
         finally:
             self.stats.predicted_ns = time.perf_counter_ns() - t1
+            self._span.set_attributes(
+                {
+                    "tandem.predicted_n": self.stats.predicted_n,
+                    "tandem.draft_n": self.stats.draft_n,
+                    "tandem.draft_n_accepted": self.stats.draft_n_accepted,
+                    "tandem.speculation": self.stats.speculation,
+                }
+            )
+            self._span.end()
+            if m:
+                m.active_requests.dec()
+                if self.stats.predicted_ns > 0 and self.stats.predicted_n > 1:
+                    m.decode_rate.observe(self.stats.predicted_n / (self.stats.predicted_ns / 1e9))
             await self._close()
 
     async def _close(self) -> None:

@@ -38,6 +38,9 @@ async def _serve(settings: TargetSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from tandem.telemetry import setup_tracing
+
+    setup_tracing("tandem-target")
     settings = parse_settings(TargetSettings, argv)
     asyncio.run(_serve(settings))
 

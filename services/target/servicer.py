@@ -37,7 +37,7 @@ class TargetServicer(pb_grpc.TargetServicer):
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         v = self._ready()
-        return info_pb(v.engine, active_sessions=len(v.store))
+        return info_pb(v.engine, active_sessions=len(v.store), kv_tokens=v.store.kv_tokens)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         v = self._ready()

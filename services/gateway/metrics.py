@@ -1,0 +1,94 @@
+"""Prometheus metrics of the gateway, named like vLLM's and llama.cpp's so existing dashboards translate.
+
+Speculation counters follow vLLM's spec_decode metrics: drafts, draft tokens, accepted tokens, accepted tokens per
+draft position. The services' session counts and KV usage are read from their Info at scrape time, so /metrics on
+the gateway shows the whole stack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tandem.v1 import tandem_pb2 as pb
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
+RATE_BUCKETS = (1, 2, 5, 10, 20, 40, 60, 80, 100, 150, 200, 300, 500, 800, 1200, 2000)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tandem_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("tandem_generation_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram(
+            "tandem_time_to_first_token_seconds", "prefill until the first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.inter_token = Histogram(
+            "tandem_inter_token_latency_seconds",
+            "time between consecutive tokens (tokens of one accepted draft arrive together)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decode_rate = Histogram(
+            "tandem_decode_tokens_per_second", "decode rate of each finished request", buckets=RATE_BUCKETS, registry=r
+        )
+        self.num_drafts = Counter("tandem_spec_decode_num_drafts", "verify rounds that carried a draft", registry=r)
+        self.num_draft_tokens = Counter("tandem_spec_decode_num_draft_tokens", "draft tokens proposed", registry=r)
+        self.num_accepted = Counter("tandem_spec_decode_num_accepted_tokens", "draft tokens accepted", registry=r)
+        self.accepted_per_pos = Counter(
+            "tandem_spec_decode_num_accepted_tokens_per_pos",
+            "accepted draft tokens by position in the draft (0-based)",
+            ["position"],
+            registry=r,
+        )
+        self.round_seconds = Histogram(
+            "tandem_round_seconds", "wall time of one speculative round", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.round_overhead = Histogram(
+            "tandem_round_overhead_seconds",
+            "round time outside draft and target compute (gRPC, Python, orchestration)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.active_requests = Gauge("tandem_active_requests", "requests being generated", registry=r)
+        self.degraded = Counter(
+            "tandem_speculation_degraded", "requests that lost their draft and continued target-only", registry=r
+        )
+        self.upstream_up = Gauge("tandem_upstream_up", "1 if the service answered Info", ["service"], registry=r)
+        self.sessions = Gauge("tandem_sessions_active", "open sessions on each service", ["service"], registry=r)
+        self.kv_tokens = Gauge("tandem_kv_tokens", "tokens held in each service's KV cache", ["service"], registry=r)
+        self.kv_capacity = Gauge(
+            "tandem_kv_capacity_tokens", "KV cells of each service's context", ["service"], registry=r
+        )
+
+    def observe_round(self, proposed: int, accepted: int, round_ns: int, compute_ns: int) -> None:
+        self.round_seconds.observe(round_ns / 1e9)
+        self.round_overhead.observe(max(round_ns - compute_ns, 0) / 1e9)
+        if proposed:
+            self.num_drafts.inc()
+            self.num_draft_tokens.inc(proposed)
+            self.num_accepted.inc(accepted)
+            for i in range(accepted):
+                self.accepted_per_pos.labels(position=str(i)).inc()
+
+    async def refresh_upstreams(self, stubs: dict[str, object]) -> None:
+        async def one(name: str, stub) -> None:
+            try:
+                info = await stub.Info(pb.InfoRequest(), timeout=1.0)
+            except Exception:
+                self.upstream_up.labels(service=name).set(0)
+                return
+            self.upstream_up.labels(service=name).set(1)
+            self.sessions.labels(service=name).set(info.active_sessions)
+            self.kv_tokens.labels(service=name).set(info.kv_tokens)
+            self.kv_capacity.labels(service=name).set(info.context_size)
+
+        await asyncio.gather(*(one(n, s) for n, s in stubs.items() if s is not None))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

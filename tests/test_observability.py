@@ -1,0 +1,135 @@
+"""Prometheus metrics and OpenTelemetry traces, on the real stack."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import Service, start_model_service
+
+EDIT = (
+    "Return this code unchanged:\n\ndef area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
+)
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    pattern = re.compile(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", re.M)
+    match = pattern.search(text)
+    assert match, f"{name}{labels} not in /metrics"
+    return float(match.group(1))
+
+
+def test_metrics_count_speculation(gateway: Service) -> None:
+    before = httpx.get(f"{gateway.address}/metrics").text
+    drafts0 = _metric(before, "tandem_spec_decode_num_drafts_total")
+    reply = httpx.post(
+        f"{gateway.address}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": EDIT}], "max_tokens": 48, "temperature": 0},
+        timeout=120,
+    ).json()
+    after = httpx.get(f"{gateway.address}/metrics").text
+    timings = reply["timings"]
+    assert _metric(after, "tandem_spec_decode_num_draft_tokens_total") >= timings["draft_n"]
+    assert _metric(after, "tandem_spec_decode_num_drafts_total") > drafts0
+    assert _metric(after, "tandem_spec_decode_num_accepted_tokens_per_pos_total", '{position="0"}') >= 1
+    assert _metric(after, "tandem_requests_total", '{endpoint="/v1/chat/completions",status="200"}') >= 1
+    assert _metric(after, "tandem_time_to_first_token_seconds_count") >= 1
+    assert _metric(after, "tandem_round_overhead_seconds_count") >= 1
+    assert _metric(after, "tandem_active_requests") == 0
+    # Sessions are closed once the response is done, on both services.
+    assert _metric(after, "tandem_sessions_active", '{service="target"}') == 0
+    assert _metric(after, "tandem_sessions_active", '{service="draft"}') == 0
+    assert _metric(after, "tandem_upstream_up", '{service="target"}') == 1
+    assert _metric(after, "tandem_kv_capacity_tokens", '{service="target"}') == 8192
+
+
+def test_response_reports_acceptance(gateway: Service) -> None:
+    reply = httpx.post(
+        f"{gateway.address}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": EDIT}], "max_tokens": 48, "temperature": 0},
+        timeout=120,
+    ).json()
+    t = reply["timings"]
+    assert t["acceptance_rate"] == pytest.approx(t["draft_n_accepted"] / t["draft_n"], abs=1e-4)
+    assert t["mean_accepted_length"] == pytest.approx((t["draft_n_accepted"] + t["rounds"]) / t["rounds"], abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def traced_services(service_tmp: Path) -> Iterator[tuple[Service, Service]]:
+    env = {"OTEL_TRACES_EXPORTER": "console"}
+    target = start_model_service("services.target", ["--n-threads", "1"], service_tmp, env=env)
+    draft = start_model_service("services.draft", ["--drafter", "ngram"], service_tmp, env=env)
+    yield target, draft
+    target.stop()
+    draft.stop()
+
+
+def _spans(log: str) -> list[dict]:
+    spans = []
+    for line in log.splitlines():
+        if line.startswith("{") and '"trace_id"' in line:
+            spans.append(json.loads(line))
+    return spans
+
+
+def test_one_trace_per_request_across_services(traced_services: tuple[Service, Service]) -> None:
+    from fastapi.testclient import TestClient
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from services.gateway.app import create_app
+    from tandem.config import GatewaySettings
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+
+    target, draft = traced_services
+    app = create_app(GatewaySettings(target=target.address, draft=draft.address))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        reply = client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": EDIT}], "max_tokens": 24, "temperature": 0},
+        )
+        assert reply.status_code == 200
+
+    spans = exporter.get_finished_spans()
+    names = [s.name for s in spans]
+    generate = next(s for s in spans if s.name == "tandem.generate")
+    trace_id = generate.context.trace_id
+    rounds = [s for s in spans if s.name == "round"]
+    assert rounds and all(s.parent.span_id == generate.context.span_id for s in rounds)
+    proposes = [s for s in spans if s.name == "propose"]
+    verifies = [s for s in spans if s.name == "verify"]
+    round_ids = {s.context.span_id for s in rounds}
+    assert proposes and all(s.parent.span_id in round_ids for s in proposes)
+    assert len(verifies) == len(rounds) and all(s.parent.span_id in round_ids for s in verifies)
+    ours = [s for s in spans if s.name in ("tandem.generate", "open", "round", "propose", "verify")]
+    assert {s.context.trace_id for s in ours} == {trace_id}, names
+    # FastAPI's own request span, where present, is in the same trace: one trace per HTTP request.
+    http = [s for s in spans if s.name == "POST /v1/chat/completions"]
+    if http:
+        assert http[0].context.trace_id == trace_id
+
+    # The services continued the same trace, as children of the gateway's propose/verify spans.
+    time.sleep(0.5)
+    hex_trace = f"0x{trace_id:032x}"
+    target_spans = [s for s in _spans(target.log()) if s["context"]["trace_id"] == hex_trace]
+    draft_spans = [s for s in _spans(draft.log()) if s["context"]["trace_id"] == hex_trace]
+    verify_ids = {f"0x{s.context.span_id:016x}" for s in verifies}
+    propose_ids = {f"0x{s.context.span_id:016x}" for s in proposes}
+    assert {s["parent_id"] for s in target_spans if s["name"].endswith("/Verify")} == verify_ids
+    assert {s["parent_id"] for s in draft_spans if s["name"].endswith("/Propose")} == propose_ids
+    assert any(s["name"].endswith("/Open") for s in target_spans)
