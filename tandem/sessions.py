@@ -124,6 +124,17 @@ class SessionStore:
         self._sessions[session_id] = session
         return session
 
+    def rollback(self, items: Sequence[tuple[str, int]]) -> list[Session]:
+        """Shorten each session's sequence to `position` tokens (never into the prompt); all are checked first."""
+        sessions = [(self.get(sid), pos) for sid, pos in items]
+        for session, pos in sessions:
+            if not len(session.prompt) <= pos <= session.position:
+                raise InvalidArgument(f"rollback position {pos} outside [{len(session.prompt)}, {session.position}]")
+        for session, pos in sessions:
+            del session.tokens[pos:]
+            session.last_call = None
+        return [session for session, _ in sessions]
+
     def close(self, session_id: str) -> Session | None:
         session = self._sessions.pop(session_id, None)
         if session is not None:

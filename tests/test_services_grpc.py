@@ -243,3 +243,50 @@ def test_sampled_draft_sends_exact_distributions(draft_channel: grpc.Channel, ta
         assert 1 <= len(dist.token_ids) <= 40
         assert abs(float(np.sum(dist.probs)) - 1.0) < 1e-4
     draft.Close(pb.CloseRequest(session_ids=[sid]))
+
+
+def test_rollback_replays_the_same_tokens(target_channel: grpc.Channel) -> None:
+    """Rolling a greedy session back and decoding again reproduces the same tokens (KV truncated, not corrupted)."""
+    stub = pb_grpc.TargetStub(target_channel)
+    prompt = _prompt(stub)
+    sid = _sid()
+    first = stub.Open(
+        pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)])
+    ).results[0]
+    pos, tokens = first.position, []
+    for _ in range(5):
+        r = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos)])).results[0]
+        tokens.append(r.tokens[0].id)
+        pos = r.position
+    back = first.position + 2  # keeps the first token and two more
+    stub.Rollback(pb.RollbackRequest(items=[pb.RollbackItem(session_id=sid, position=back)]))
+    replay = []
+    pos = back
+    for _ in range(3):
+        r = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos)])).results[0]
+        replay.append(r.tokens[0].id)
+        pos = r.position
+    assert replay == tokens[2:5]
+    into_prompt = pb.RollbackRequest(items=[pb.RollbackItem(session_id=sid, position=len(prompt) - 1)])
+    assert _code(lambda: stub.Rollback(into_prompt)) == grpc.StatusCode.INVALID_ARGUMENT
+    beyond = pb.RollbackRequest(items=[pb.RollbackItem(session_id=sid, position=pos + 1)])
+    assert _code(lambda: stub.Rollback(beyond)) == grpc.StatusCode.INVALID_ARGUMENT
+    stub.Close(pb.CloseRequest(session_ids=[sid]))
+
+
+def test_draft_rollback_forgets_tokens(draft_channel: grpc.Channel) -> None:
+    draft = pb_grpc.DraftStub(draft_channel)
+    sid = _sid()
+    prompt = [1, 504, 2573, 1244, 504, 2573]
+    draft.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)]))
+    one = draft.Propose(
+        pb.ProposeRequest(items=[pb.ProposeItem(session_id=sid, position=6, append_token_ids=[77, 78], max_tokens=3)])
+    ).proposals[0]
+    assert one.position == 8
+    draft.Rollback(pb.RollbackRequest(items=[pb.RollbackItem(session_id=sid, position=6)]))
+    again = draft.Propose(
+        pb.ProposeRequest(items=[pb.ProposeItem(session_id=sid, position=6, append_token_ids=[77, 78], max_tokens=3)])
+    ).proposals[0]
+    assert again.position == 8
+    assert list(again.token_ids) == list(one.token_ids)  # same committed sequence, same greedy proposal
+    draft.Close(pb.CloseRequest(session_ids=[sid]))

@@ -97,14 +97,8 @@ class DraftService:
         return [out[spec.session_id] for spec in specs]
 
     def rollback(self, items: Sequence[tuple[str, int]]) -> None:
-        sessions = [(self.store.get(sid), pos) for sid, pos in items]
-        for session, pos in sessions:
-            if not len(session.prompt) <= pos <= session.position:
-                raise InvalidArgument(f"rollback position {pos} outside [{len(session.prompt)}, {session.position}]")
-        for session, pos in sessions:
-            del session.tokens[pos:]
+        for session in self.store.rollback(items):
             self.drafter.truncated(session)
-            session.last_call = None
 
     def close(self, session_ids: Sequence[str]) -> int:
         closed = 0

@@ -214,15 +214,9 @@ class Verifier:
 
     def rollback(self, items: Sequence[tuple[str, int]]) -> None:
         """Shorten sessions to `position` tokens; the last kept token becomes pending again."""
-        sessions = [(self.store.get(sid), pos) for sid, pos in items]
-        for session, pos in sessions:
-            if not len(session.prompt) <= pos <= session.position:
-                raise InvalidArgument(f"rollback position {pos} outside [{len(session.prompt)}, {session.position}]")
-        for session, pos in sessions:
-            del session.tokens[pos:]
+        for session in self.store.rollback(items):
             session.kv_catch_up(session.tokens[:-1])
             self.engine.truncate(session.seq_id, len(session.kv_tokens))
-            session.last_call = None
 
     def close(self, session_ids: Sequence[str]) -> int:
         closed = 0
