@@ -115,14 +115,21 @@ def build_configs(args: argparse.Namespace, log_dir: Path, stack: Stack, ks: lis
         print("starting llama-server peers ...", file=sys.stderr, flush=True)
         plain = start_peer(peer, [*extra], log_dir, stack, model)
         configs.append(Config("llama-server", "llama-server", plain, None, "llama-server"))
-        for k in ks:
-            url = start_peer(
-                peer, [*extra, "--spec-type", "ngram-simple", "--spec-draft-n-max", str(k)], log_dir, stack, model
-            )
-            configs.append(Config(f"llama-server ngram k={k}", "llama-server", url, None, "llama-server", "ngram"))
+        for kind in ("ngram-simple", "ngram-mod"):
+            for k in ks:
+                url = start_peer(
+                    peer, [*extra, "--spec-type", kind, "--spec-draft-n-max", str(k)], log_dir, stack, model
+                )
+                configs.append(Config(f"llama-server {kind} k={k}", "llama-server", url, None, "llama-server", "ngram"))
         if not args.no_model_draft:
             draft = args.draft_model or model
-            url = start_peer(peer, [*extra, "-md", draft, *shlex.split(args.peer_draft_args)], log_dir, stack, model)
+            url = start_peer(
+                peer,
+                [*extra, "-md", draft, "--spec-type", "draft-simple", *shlex.split(args.peer_draft_args)],
+                log_dir,
+                stack,
+                model,
+            )
             configs += [Config(f"llama-server -md k={k}", "llama-server", url, k, "llama-server", "model") for k in ks]
     return configs
 
@@ -254,7 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-model", default=None, help="draft GGUF for the model drafter (default: --model)")
     parser.add_argument("--target-args", default="", help="extra flags for the target service, e.g. GPU layers")
     parser.add_argument("--draft-args", default="", help="extra flags for the model draft service")
-    parser.add_argument("--peer-args", default="", help="extra flags for every llama-server (e.g. -t 2 -ngl 99)")
+    parser.add_argument(
+        "--peer-args",
+        default="-c 4096 --no-repack",
+        help="flags for every llama-server (e.g. -ngl 99); --no-repack matches tandem's engine, whose AMX repack path"
+        " crashes on this CPU",
+    )
     parser.add_argument(
         "--peer-draft-args", default="", help="extra flags for llama-server's -md draft (e.g. -ngld 99)"
     )
