@@ -245,6 +245,8 @@ class Engine:
             self._batch.n_tokens = n
             t0 = time.perf_counter_ns()
             rc = llama_cpp.llama_decode(self._ctx, self._batch)
+            # llama_decode may return before the backend finishes: wait here so forward time is all the compute.
+            llama_cpp.llama_synchronize(self._ctx)
             self.forward_ns += time.perf_counter_ns() - t0
             if rc == 1:
                 raise ContextOverflow("no free KV cells for this batch: too many tokens in flight, retry later")
