@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
 from tandem.errors import TandemError
@@ -73,6 +74,32 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+
+
+async def stream_replies(
+    requests: AsyncIterator[Any],
+    handler: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
+    response_type: type,
+    context: grpc.aio.ServicerContext,
+    span_name: str,
+) -> AsyncIterator[Any]:
+    """Serve a request stream with a unary handler: answers in order, failures as in-band `error` statuses."""
+    from tandem.v1 import tandem_pb2 as pb
+
+    async for request in requests:
+        parent = propagate.extract(dict(request.trace_context))
+        with tracer().start_as_current_span(span_name, context=parent, kind=SpanKind.SERVER) as span:
+            try:
+                response = await handler(request, context)
+            except TandemError as exc:
+                span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
+                response = response_type(error=pb.Status(code=exc.code.value[0], message=str(exc)))
+            except Exception as exc:
+                log.exception("unhandled error in %s", span_name)
+                code = grpc.StatusCode.INTERNAL.value[0]
+                response = response_type(error=pb.Status(code=code, message=f"{type(exc).__name__}: {exc}"))
+        response.request_id = request.request_id
+        yield response
 
 
 class EngineWorker:

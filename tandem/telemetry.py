@@ -50,13 +50,18 @@ def tracer() -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME)
 
 
+def carrier_for(span: Span) -> dict[str, str]:
+    """W3C trace context making `span` the parent of the server's span (empty when not recording)."""
+    carrier: dict[str, str] = {}
+    if span.is_recording():
+        propagate.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier
+
+
 def metadata_for(span: Span) -> Sequence[tuple[str, str]] | None:
     """gRPC metadata carrying `span` as the parent of the server's span (None when not recording)."""
-    if not span.is_recording():
-        return None
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier, context=trace.set_span_in_context(span))
-    return tuple(carrier.items())
+    carrier = carrier_for(span)
+    return tuple(carrier.items()) if carrier else None
 
 
 def context_from_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) -> otel_context.Context:

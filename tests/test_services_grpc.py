@@ -290,3 +290,26 @@ def test_draft_rollback_forgets_tokens(draft_channel: grpc.Channel) -> None:
     assert again.position == 8
     assert list(again.token_ids) == list(one.token_ids)  # same committed sequence, same greedy proposal
     draft.Close(pb.CloseRequest(session_ids=[sid]))
+
+
+def test_verify_stream_answers_in_order_with_in_band_errors(target_channel: grpc.Channel) -> None:
+    """VerifyStream carries many calls; a failed call is an `error` status and the stream keeps serving."""
+    stub = pb_grpc.TargetStub(target_channel)
+    prompt = _prompt(stub)
+    sid = _sid()
+    first = stub.Open(
+        pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)])
+    ).results[0]
+    requests = [
+        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=first.position)], request_id=11),
+        pb.VerifyRequest(items=[pb.VerifyItem(session_id="missing", position=1)], request_id=12),
+        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=first.position + 5)], request_id=13),
+        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=first.position + 1)], request_id=14),
+    ]
+    replies = list(stub.VerifyStream(iter(requests)))
+    assert [r.request_id for r in replies] == [11, 12, 13, 14]
+    assert not replies[0].HasField("error") and replies[0].results[0].position == first.position + 1
+    assert replies[1].error.code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert replies[2].error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert not replies[3].HasField("error") and replies[3].results[0].position == first.position + 2
+    stub.Close(pb.CloseRequest(session_ids=[sid]))

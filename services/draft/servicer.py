@@ -10,7 +10,7 @@ from services.draft.service import DraftService, ProposeSpec
 from tandem import __version__
 from tandem.convert import dist_to_pb, info_pb, sampling_from_pb
 from tandem.engine import Engine
-from tandem.grpc_server import EngineWorker, ServiceLoading
+from tandem.grpc_server import EngineWorker, ServiceLoading, stream_replies
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -79,6 +79,12 @@ class DraftServicer(pb_grpc.DraftServicer):
             ],
             timing=self._timing(t0, f0),
         )
+
+    async def ProposeStream(self, requests, context: grpc.aio.ServicerContext):
+        async for response in stream_replies(
+            requests, self.Propose, pb.ProposeResponse, context, "/tandem.v1.Draft/Propose"
+        ):
+            yield response
 
     async def Rollback(self, request: pb.RollbackRequest, context: grpc.aio.ServicerContext) -> pb.RollbackResponse:
         service = self._ready()

@@ -26,7 +26,7 @@ from opentelemetry import trace
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.upstream import Upstreams
 from tandem.sampling import SamplingParams
-from tandem.telemetry import metadata_for, tracer
+from tandem.telemetry import carrier_for, metadata_for, tracer
 from tandem.v1 import tandem_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,7 @@ class Generation:
                     d0 = round_start
                     propose_span = self._child("propose", round_span)
                     try:
-                        prop = await self.up.draft.Propose(
+                        prop = await self.up.propose.call(
                             pb.ProposeRequest(
                                 items=[
                                     pb.ProposeItem(
@@ -221,10 +221,10 @@ class Generation:
                                         append_token_ids=unsent,
                                         max_tokens=k,
                                     )
-                                ]
+                                ],
+                                trace_context=carrier_for(propose_span),
                             ),
-                            timeout=self.timeout,
-                            metadata=metadata_for(propose_span),
+                            self.timeout,
                         )
                         proposal = prop.proposals[0]
                         draft_pos = proposal.position
@@ -244,7 +244,7 @@ class Generation:
                 v0 = time.perf_counter_ns()
                 verify_span = self._child("verify", round_span)
                 try:
-                    verified = await self.up.target.Verify(
+                    verified = await self.up.verify.call(
                         pb.VerifyRequest(
                             items=[
                                 pb.VerifyItem(
@@ -253,10 +253,10 @@ class Generation:
                                     draft_token_ids=drafts,
                                     draft_distributions=dists,
                                 )
-                            ]
+                            ],
+                            trace_context=carrier_for(verify_span),
                         ),
-                        timeout=self.timeout,
-                        metadata=metadata_for(verify_span),
+                        self.timeout,
                     )
                 finally:
                     verify_span.end()

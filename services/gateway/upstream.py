@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.gateway.streams import StreamMux
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -66,8 +67,18 @@ class Upstreams:
     draft: pb_grpc.DraftStub | None
     draft_info: pb.InfoResponse | None
     channels: list[grpc.aio.Channel]
+    verify: StreamMux | None = None  # Target.VerifyStream, shared by all requests
+    propose: StreamMux | None = None  # Draft.ProposeStream
+
+    def __post_init__(self) -> None:
+        self.verify = StreamMux(self.target.VerifyStream, "target")
+        if self.draft is not None:
+            self.propose = StreamMux(self.draft.ProposeStream, "draft")
 
     async def close(self) -> None:
+        for mux in (self.verify, self.propose):
+            if mux is not None:
+                await mux.close()
         for channel in self.channels:
             await channel.close()
 

@@ -8,7 +8,7 @@ import grpc
 
 from services.target.verifier import EmittedToken, OpenSpec, Verifier, VerifySpec
 from tandem.convert import dist_from_pb, info_pb, sampling_from_pb
-from tandem.grpc_server import EngineWorker, ServiceLoading
+from tandem.grpc_server import EngineWorker, ServiceLoading, stream_replies
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -92,6 +92,12 @@ class TargetServicer(pb_grpc.TargetServicer):
             ],
             timing=self._timing(t0, f0),
         )
+
+    async def VerifyStream(self, requests, context: grpc.aio.ServicerContext):
+        async for response in stream_replies(
+            requests, self.Verify, pb.VerifyResponse, context, "/tandem.v1.Target/Verify"
+        ):
+            yield response
 
     async def Rollback(self, request: pb.RollbackRequest, context: grpc.aio.ServicerContext) -> pb.RollbackResponse:
         v = self._ready()
