@@ -52,6 +52,7 @@ class GenerationStats:
     predicted_ns: int = 0
     rounds: int = 0  # verify rounds that carried a draft
     verify_calls: int = 0  # all verify calls, with or without a draft
+    lookahead_rounds: int = 0  # rounds whose draft came from the n-gram lookahead, with no Propose call
     draft_n: int = 0
     draft_n_accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -95,6 +96,7 @@ class GenerationStats:
             # tandem's own split of decode time, for benchmarks: compute inside each service vs everything else.
             "rounds": self.rounds,
             "verify_calls": self.verify_calls,
+            "lookahead_rounds": self.lookahead_rounds,
             "draft_compute_ms": round(self.draft_forward_ns / 1e6, 3),
             "verify_compute_ms": round(self.verify_forward_ns / 1e6, 3),
             "draft_rpc_ms": round(self.draft_ns / 1e6, 3),
@@ -123,6 +125,12 @@ class Generation:
         self._use_draft = upstreams.draft is not None and request.n_max > 0
         self._draft_open = False
         self._span: trace.Span = trace.INVALID_SPAN
+        info = upstreams.draft_info
+        self._model_free_draft = info is not None and info.drafter == "ngram"
+        self._target_pos = self._draft_pos = self._produced = 0
+        self._unsent: list[int] = []
+        self._lookahead: list[int] = []
+        self._t1 = self._last = 0
 
     def _child(self, name: str, parent: trace.Span | None = None) -> trace.Span:
         return tracer().start_span(name, context=trace.set_span_in_context(parent or self._span))
@@ -176,7 +184,8 @@ class Generation:
 
     async def tokens(self) -> AsyncIterator[pb.Token]:
         """Emitted tokens in order; close the iterator (contextlib.aclosing) to free both sessions early."""
-        t0 = t1 = last = time.perf_counter_ns()
+        t0 = time.perf_counter_ns()
+        self._t1 = self._last = t0
         m = self.metrics
         if m:
             m.active_requests.inc()
@@ -186,106 +195,44 @@ class Generation:
         )
         try:
             opened = await self._open()
-            t1 = last = time.perf_counter_ns()
-            self.stats.prompt_ns = t1 - t0
+            self._t1 = self._last = time.perf_counter_ns()
+            self.stats.prompt_ns = self._t1 - t0
+            self.stats.speculation = "on" if self._use_draft else "off"
             if m:
                 m.ttft.observe(self.stats.prompt_ns / 1e9)
                 m.prompt_tokens.inc(len(self.req.prompt_token_ids))
-                m.generation_tokens.inc()
-            self.stats.speculation = "on" if self._use_draft else "off"
-            target_pos = opened.position
-            draft_pos = len(self.req.prompt_token_ids)
-            unsent: list[int] = [opened.first_token.id]  # committed tokens the draft has not seen
-            produced = 1
-            self.stats.predicted_n = 1
+            self._target_pos = opened.position
+            self._draft_pos = len(self.req.prompt_token_ids)
+            self._unsent = []  # committed tokens the draft has not seen yet
+            self._lookahead = []  # n-gram continuation past the last verified draft, reusable without a Propose
+            self._produced = 0
+            self._emitted(opened.first_token)
             yield opened.first_token
             if opened.first_token.is_eog:
                 return
-            while produced < self.req.max_tokens:
-                k = min(self.req.n_max, self.req.max_tokens - produced - 1)
-                drafts: list[int] = []
-                dists: list[pb.SparseDistribution] = []
-                round_start = time.perf_counter_ns()
-                compute_ns = 0
+            while self._produced < self.req.max_tokens:
+                k = min(self.req.n_max, self.req.max_tokens - self._produced - 1)
                 round_span = self._child("round")
-                if self._use_draft and k > 0:
-                    d0 = round_start
-                    propose_span = self._child("propose", round_span)
-                    try:
-                        prop = await self.up.propose.call(
-                            pb.ProposeRequest(
-                                items=[
-                                    pb.ProposeItem(
-                                        session_id=self.session_id,
-                                        position=draft_pos,
-                                        append_token_ids=unsent,
-                                        max_tokens=k,
-                                    )
-                                ],
-                                trace_context=carrier_for(propose_span),
-                            ),
-                            self.timeout,
-                        )
-                        proposal = prop.proposals[0]
-                        draft_pos = proposal.position
-                        unsent = []
-                        drafts = list(proposal.token_ids)
-                        dists = list(proposal.distributions)
-                        self.stats.draft_forward_ns += prop.timing.forward_ns
-                        compute_ns += prop.timing.forward_ns
-                    except grpc.aio.AioRpcError as exc:
-                        self._draft_failed(exc)
-                        propose_span.record_exception(exc)
-                    finally:
-                        propose_span.end()
-                    self.stats.draft_ns += time.perf_counter_ns() - d0
-                    if len(drafts) < max(self.req.n_min, 1):
-                        drafts, dists = [], []
-                v0 = time.perf_counter_ns()
-                verify_span = self._child("verify", round_span)
+                round_start = time.perf_counter_ns()
                 try:
-                    verified = await self.up.verify.call(
-                        pb.VerifyRequest(
-                            items=[
-                                pb.VerifyItem(
-                                    session_id=self.session_id,
-                                    position=target_pos,
-                                    draft_token_ids=drafts,
-                                    draft_distributions=dists,
-                                )
-                            ],
-                            trace_context=carrier_for(verify_span),
-                        ),
-                        self.timeout,
-                    )
+                    drafts, dists, draft_compute = await self._propose(k, round_span)
+                    result, verify_compute = await self._verify(drafts, dists, round_span)
                 finally:
-                    verify_span.end()
                     round_span.end()
-                self.stats.verify_ns += time.perf_counter_ns() - v0
-                self.stats.verify_forward_ns += verified.timing.forward_ns
-                self.stats.verify_calls += 1
-                result = verified.results[0]
-                target_pos = result.position
+                self._target_pos = result.position
                 if drafts:
                     self.stats.observe_round(len(drafts), result.num_accepted)
+                self._keep_lookahead(drafts, result)
                 if m:
-                    compute_ns += verified.timing.forward_ns
-                    m.observe_round(len(drafts), result.num_accepted, time.perf_counter_ns() - round_start, compute_ns)
+                    round_ns = time.perf_counter_ns() - round_start
+                    m.observe_round(len(drafts), result.num_accepted, round_ns, draft_compute + verify_compute)
                 for token in result.tokens:
-                    unsent.append(token.id)
-                    produced += 1
-                    now = time.perf_counter_ns()
-                    self.stats.predicted_n = produced
-                    self.stats.predicted_ns = now - t1
-                    if m:
-                        m.inter_token.observe((now - last) / 1e9)
-                        m.generation_tokens.inc()
-                    last = now
+                    self._emitted(token)
                     yield token
-                    if token.is_eog or produced >= self.req.max_tokens:
+                    if token.is_eog or self._produced >= self.req.max_tokens:
                         return
         finally:
-            self.stats.predicted_ns = time.perf_counter_ns() - t1
+            self.stats.predicted_ns = time.perf_counter_ns() - self._t1
             self._span.set_attributes(
                 {
                     "tandem.predicted_n": self.stats.predicted_n,
@@ -300,6 +247,100 @@ class Generation:
                 if self.stats.predicted_ns > 0 and self.stats.predicted_n > 1:
                     m.decode_rate.observe(self.stats.predicted_n / (self.stats.predicted_ns / 1e9))
             await self._close()
+
+    def _emitted(self, token: pb.Token) -> None:
+        self._unsent.append(token.id)
+        self._produced += 1
+        now = time.perf_counter_ns()
+        self.stats.predicted_n = self._produced
+        self.stats.predicted_ns = now - self._t1
+        if self.metrics:
+            if self._produced > 1:
+                self.metrics.inter_token.observe((now - self._last) / 1e9)
+            self.metrics.generation_tokens.inc()
+        self._last = now
+
+    async def _propose(self, k: int, round_span: trace.Span) -> tuple[list[int], list, int]:
+        """Up to k draft tokens (and their distributions): from the n-gram lookahead when it still holds, else
+        from the draft service. Returns (tokens, distributions, draft compute ns)."""
+        if not self._use_draft or k <= 0:
+            return [], [], 0
+        if self._lookahead:
+            drafts, self._lookahead = self._lookahead[:k], self._lookahead[k:]
+            self.stats.lookahead_rounds += 1
+            return drafts, [], 0
+        # A deterministic, model-free drafter costs nothing per token: ask it for more than k and keep the rest.
+        ask = 2 * k + 1 if self._model_free_draft else k
+        d0 = time.perf_counter_ns()
+        span = self._child("propose", round_span)
+        drafts: list[int] = []
+        dists: list = []
+        compute = 0
+        try:
+            reply = await self.up.propose.call(
+                pb.ProposeRequest(
+                    items=[
+                        pb.ProposeItem(
+                            session_id=self.session_id,
+                            position=self._draft_pos,
+                            append_token_ids=self._unsent,
+                            max_tokens=ask,
+                        )
+                    ],
+                    trace_context=carrier_for(span),
+                ),
+                self.timeout,
+            )
+            proposal = reply.proposals[0]
+            self._draft_pos = proposal.position
+            self._unsent = []
+            drafts = list(proposal.token_ids)
+            dists = list(proposal.distributions)
+            compute = reply.timing.forward_ns
+            self.stats.draft_forward_ns += compute
+        except grpc.aio.AioRpcError as exc:
+            self._draft_failed(exc)
+            span.record_exception(exc)
+        finally:
+            span.end()
+            self.stats.draft_ns += time.perf_counter_ns() - d0
+        if len(drafts) > k:
+            drafts, self._lookahead = drafts[:k], drafts[k:]
+        if len(drafts) < max(self.req.n_min, 1):
+            return [], [], compute
+        return drafts, dists, compute
+
+    def _keep_lookahead(self, drafts: list[int], result: pb.VerifyResult) -> None:
+        """The lookahead stays valid only if every draft was accepted and the target's own token is its next one."""
+        if self._lookahead and result.num_accepted == len(drafts) and result.tokens[-1].id == self._lookahead[0]:
+            self._lookahead = self._lookahead[1:]
+        else:
+            self._lookahead = []
+
+    async def _verify(self, drafts: list[int], dists: list, round_span: trace.Span) -> tuple[pb.VerifyResult, int]:
+        v0 = time.perf_counter_ns()
+        span = self._child("verify", round_span)
+        try:
+            reply = await self.up.verify.call(
+                pb.VerifyRequest(
+                    items=[
+                        pb.VerifyItem(
+                            session_id=self.session_id,
+                            position=self._target_pos,
+                            draft_token_ids=drafts,
+                            draft_distributions=dists,
+                        )
+                    ],
+                    trace_context=carrier_for(span),
+                ),
+                self.timeout,
+            )
+        finally:
+            span.end()
+        self.stats.verify_ns += time.perf_counter_ns() - v0
+        self.stats.verify_forward_ns += reply.timing.forward_ns
+        self.stats.verify_calls += 1
+        return reply.results[0], reply.timing.forward_ns
 
     async def _close(self) -> None:
         """Free both sessions' KV; never let a failed close hide the request's own outcome."""
