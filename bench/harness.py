@@ -65,7 +65,7 @@ class Stack:
                     proc.kill()
 
 
-def start_tandem(args: argparse.Namespace, log_dir: Path, stack: Stack) -> tuple[str, str | None]:
+def start_tandem(args: argparse.Namespace, log_dir: Path, stack: Stack) -> tuple[str, dict[str, str]]:
     """Target, n-gram draft and (unless disabled) model draft, each with a gateway. Returns the gateway URLs."""
     model = ["--model", args.model] if args.model else []
     draft_model = ["--model", args.draft_model or args.model] if (args.draft_model or args.model) else []
@@ -76,17 +76,29 @@ def start_tandem(args: argparse.Namespace, log_dir: Path, stack: Stack) -> tuple
     stack.processes.append(ngram)
     ngram_gw = start_gateway(target.address, ngram.address, log_dir, "--n-max", "4")
     stack.processes.append(ngram_gw)
-    model_url = None
+    model_urls: dict[str, str] = {}
     if not args.no_model_draft:
-        print("starting model draft ...", file=sys.stderr, flush=True)
-        draft = start_model_service(
-            "services.draft", ["--drafter", "model", *draft_model, *shlex.split(args.draft_args)], log_dir
-        )
-        stack.processes.append(draft)
-        model_gw = start_gateway(target.address, draft.address, log_dir, "--n-max", "4")
-        stack.processes.append(model_gw)
-        model_url = model_gw.address
-    return ngram_gw.address, model_url
+        for name, extra in placements(args):
+            print(f"starting model draft ({name}) ...", file=sys.stderr, flush=True)
+            draft = start_model_service(
+                "services.draft", ["--drafter", "model", *draft_model, *shlex.split(extra)], log_dir
+            )
+            stack.processes.append(draft)
+            gateway = start_gateway(target.address, draft.address, log_dir, "--n-max", "4")
+            stack.processes.append(gateway)
+            model_urls[name] = gateway.address
+    return ngram_gw.address, model_urls
+
+
+def placements(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Where model drafts run: `--draft NAME=FLAGS` (repeatable), else one placement from --draft-args."""
+    if not args.draft:
+        return [("model", args.draft_args)]
+    out = []
+    for spec in args.draft:
+        name, _, flags = spec.partition("=")
+        out.append((f"model@{name}", flags))
+    return out
 
 
 def start_peer(binary: str, extra: list[str], log_dir: Path, stack: Stack, model: str) -> str:
@@ -101,11 +113,11 @@ def start_peer(binary: str, extra: list[str], log_dir: Path, stack: Stack, model
 
 
 def build_configs(args: argparse.Namespace, log_dir: Path, stack: Stack, ks: list[int]) -> list[Config]:
-    ngram_url, model_url = start_tandem(args, log_dir, stack)
+    ngram_url, model_urls = start_tandem(args, log_dir, stack)
     configs = [Config("target-only", "tandem", ngram_url, 0, "target-only")]
     configs += [Config(f"ngram k={k}", "tandem", ngram_url, k, "target-only", "ngram") for k in ks]
-    if model_url:
-        configs += [Config(f"model k={k}", "tandem", model_url, k, "target-only", "model") for k in ks]
+    for name, url in model_urls.items():
+        configs += [Config(f"{name} k={k}", "tandem", url, k, "target-only", "model") for k in ks]
     peer = os.environ.get("LLAMA_SERVER")
     if peer:
         from tandem.models import default_model_path
@@ -261,6 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-model", default=None, help="draft GGUF for the model drafter (default: --model)")
     parser.add_argument("--target-args", default="", help="extra flags for the target service, e.g. GPU layers")
     parser.add_argument("--draft-args", default="", help="extra flags for the model draft service")
+    parser.add_argument(
+        "--draft",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="a model-draft placement, repeatable, e.g. 'cpu=--device cpu --n-threads 8' 'gpu=--n-gpu-layers -1'",
+    )
     parser.add_argument(
         "--peer-args",
         default="-c 4096 --no-repack",

