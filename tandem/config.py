@@ -75,7 +75,11 @@ class ServiceSettings(EngineSettings):
 
 class TargetSettings(ServiceSettings):
     model_config = SettingsConfigDict(
-        env_prefix="TANDEM_TARGET_", cli_parse_args=False, cli_kebab_case=True, cli_implicit_flags=True
+        env_prefix="TANDEM_TARGET_",
+        env_ignore_empty=True,  # TANDEM_..._MODEL= (empty, as compose files leave it) means the default
+        cli_parse_args=False,
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
     )
 
     verify_mode: Literal["batched", "sequential"] = Field(
@@ -87,7 +91,11 @@ class TargetSettings(ServiceSettings):
 
 class DraftSettings(ServiceSettings):
     model_config = SettingsConfigDict(
-        env_prefix="TANDEM_DRAFT_", cli_parse_args=False, cli_kebab_case=True, cli_implicit_flags=True
+        env_prefix="TANDEM_DRAFT_",
+        env_ignore_empty=True,  # TANDEM_..._MODEL= (empty, as compose files leave it) means the default
+        cli_parse_args=False,
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
     )
 
     port: int = Field(50052, ge=0, le=65535, description="gRPC port (0 = pick a free one and print it)")

