@@ -124,4 +124,12 @@ class GatewaySettings(BaseSettings):
     max_tokens_default: int = Field(512, ge=1, description="max_tokens when the request gives none")
     rpc_timeout_s: float = Field(30.0, gt=0, description="deadline of each gRPC call")
     startup_timeout_s: float = Field(600.0, gt=0, description="how long to wait for the services at start")
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description='accepted Bearer keys (TANDEM_GATEWAY_API_KEYS=\'["k1","k2"]\'); empty = no authentication',
+    )
+    max_concurrent: int = Field(8, ge=1, description="requests generating at once (more wait in the queue)")
+    max_queue: int = Field(64, ge=0, description="requests waiting for a slot; beyond this: 429 with Retry-After")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest request body accepted (413 above)")
+    max_tokens_limit: int = Field(8192, ge=1, description="largest max_tokens a request may ask for")
     log_level: Literal["debug", "info", "warning", "error"] = "info"

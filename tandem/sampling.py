@@ -105,9 +105,10 @@ def _as_logits(logits: np.ndarray) -> np.ndarray:
     x = np.asarray(logits, dtype=np.float64)
     if x.ndim != 1 or x.size == 0:
         raise ValueError(f"logits must be a non-empty 1-D array, got shape {x.shape}")
-    if np.isnan(x).any() or np.isposinf(x).any():
+    top = x.max()  # NaN propagates into the max and +inf is the max: one pass checks both
+    if np.isnan(top) or np.isposinf(top):
         raise ValueError("logits must not contain NaN or +inf")
-    if np.isneginf(x).all():
+    if np.isneginf(top):
         raise ValueError("all logits are -inf: no token can be sampled")
     return x
 
@@ -155,6 +156,14 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     if params.greedy:
         out[int(np.argmax(x))] = 1.0
         return out
+
+    if (params.top_k <= 0 or params.top_k >= vocab) and params.top_p >= 1.0:
+        # Plain temperature sampling, the common case: softmax in place, no index arrays (hot path per token).
+        probs = np.subtract(x, x.max(), dtype=np.float64)
+        probs /= params.temperature
+        np.exp(probs, out=probs)
+        probs /= probs.sum()
+        return probs
 
     # Shifting by the max before dividing leaves softmax(x / T) unchanged and cannot overflow for small T.
     scaled = (x - x.max()) / params.temperature

@@ -6,13 +6,16 @@ import asyncio
 import logging
 from contextlib import asynccontextmanager
 
+import grpc
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from grpc_health.v1 import health_pb2
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.gateway import chat, completions, errors
 from services.gateway.chat_template import ChatTemplate
 from services.gateway.errors import OpenAIError
+from services.gateway.guards import OPEN_PATHS, BodyLimit, check_api_key
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.serving import Serving, now
 from services.gateway.upstream import connect
@@ -35,14 +38,39 @@ async def health(request: Request) -> JSONResponse:
         if failure:
             body["error"] = failure
         return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
-    info = serving.up.draft_info
-    return JSONResponse(
-        {
-            "status": "ok",
-            "target": {"model": serving.up.target_info.model_name, "device": serving.up.target_info.device},
-            "draft": {"drafter": info.drafter, "model": info.model_name, "device": info.device} if info else None,
-        }
+    target_ok, draft_ok = await asyncio.gather(
+        serving_status(serving.up.target_health, "tandem.v1.Target"),
+        serving_status(serving.up.draft_health, "tandem.v1.Draft"),
     )
+    info = serving.up.draft_info
+    status = "ok" if target_ok and draft_ok is not False else ("degraded" if target_ok else "unavailable")
+    body = {
+        "status": status,
+        "target": {
+            "model": serving.up.target_info.model_name,
+            "device": serving.up.target_info.device,
+            "serving": target_ok,
+        },
+        "draft": {"drafter": info.drafter, "model": info.model_name, "device": info.device, "serving": draft_ok}
+        if info
+        else None,
+        "requests": {"running": serving.admission.running, "queued": serving.admission.waiting},
+    }
+    # Degraded (draft down) still serves, target-only; without the target nothing can be served.
+    return JSONResponse(
+        body, status_code=200 if target_ok else 503, headers=None if target_ok else {"Retry-After": "1"}
+    )
+
+
+async def serving_status(stub, service: str) -> bool | None:
+    """True if the service answers SERVING within a second, False if not, None if there is no such service."""
+    if stub is None:
+        return None
+    try:
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+    except grpc.aio.AioRpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 @meta.get("/metrics")
@@ -113,15 +141,20 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     @app.middleware("http")
     async def require_ready(request: Request, call_next):
         path = request.url.path
-        if path.startswith("/v1/") and getattr(request.app.state, "serving", None) is None:
-            response = OpenAIError(503, "the model services are not ready yet", None, "loading").response()
-        else:
+        try:
+            if path not in OPEN_PATHS:
+                check_api_key(request.headers.get("authorization"), settings.api_keys)
+            if path.startswith("/v1/") and getattr(request.app.state, "serving", None) is None:
+                raise OpenAIError(503, "the model services are not ready yet", None, "loading")
             response = await call_next(request)
+        except OpenAIError as exc:
+            response = exc.response()
         if path.startswith("/v1/"):
             endpoint = path if path in KNOWN_ENDPOINTS else "other"
             request.app.state.metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
         return response
 
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.include_router(meta)
     app.include_router(chat.router)
     app.include_router(completions.router)

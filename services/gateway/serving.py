@@ -13,6 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from services.gateway.errors import OpenAIError, sse_error
+from services.gateway.guards import Admission
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import SamplingFields
 from services.gateway.speculative import Generation, GenerationRequest, GenerationStats
@@ -44,6 +45,7 @@ class Serving:
         self.up = upstreams
         self.metrics = metrics
         self.settings = settings
+        self.admission = Admission(settings.max_concurrent, settings.max_queue)
         self.model_name = settings.model_name or upstreams.target_info.model_name
         self.context_size = upstreams.target_info.context_size
 
@@ -78,6 +80,10 @@ class Serving:
                 "messages",
                 "context_length_exceeded",
             )
+        if max_tokens is not None and max_tokens > self.settings.max_tokens_limit:
+            raise OpenAIError(
+                400, f"max_tokens may be at most {self.settings.max_tokens_limit}", "max_tokens", "invalid_value"
+            )
         if max_tokens is None:
             max_tokens = min(self.settings.max_tokens_default, room)
         elif max_tokens > room:
@@ -106,7 +112,7 @@ class Serving:
         text = TextAssembler(stop)
         pending: list[pb.Token] = []
         finish = "length"
-        async with aclosing(generation.tokens()) as tokens:
+        async with self.admission.slot(), aclosing(generation.tokens()) as tokens:
             async for token in tokens:
                 pending.append(token)
                 if token.is_eog:

@@ -69,11 +69,15 @@ class Upstreams:
     channels: list[grpc.aio.Channel]
     verify: StreamMux | None = None  # Target.VerifyStream, shared by all requests
     propose: StreamMux | None = None  # Draft.ProposeStream
+    target_health: health_pb2_grpc.HealthStub | None = None
+    draft_health: health_pb2_grpc.HealthStub | None = None
 
     def __post_init__(self) -> None:
         self.verify = StreamMux(self.target.VerifyStream, "target")
+        self.target_health = health_pb2_grpc.HealthStub(self.channels[0])
         if self.draft is not None:
             self.propose = StreamMux(self.draft.ProposeStream, "draft")
+            self.draft_health = health_pb2_grpc.HealthStub(self.channels[1])
 
     async def close(self) -> None:
         for mux in (self.verify, self.propose):

@@ -1,0 +1,205 @@
+"""Faults, limits and security with real processes: kill the draft or the target mid-request, disconnect a
+client, overfill the queue, send oversized bodies and wrong keys."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
+from tests.conftest import THREADS, Service, start_gateway, start_model_service
+
+PROMPT = "Write a long story about a lighthouse keeper and a storm."
+
+
+def _chat(gateway: Service, stream: bool = False, **extra) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 96, "temperature": 0, **extra}
+    if stream:
+        body["stream"] = True
+    return httpx.post(f"{gateway.address}/v1/chat/completions", json=body, timeout=120)
+
+
+def _active_sessions(address: str, stub_type) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return stub_type(channel).Info(pb.InfoRequest()).active_sessions
+
+
+def _wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.fixture(scope="module")
+def fault_stack(service_tmp: Path) -> Iterator[dict]:
+    """A sequential-verify target (speculative text == target-only text, bit for bit), a model draft, a gateway."""
+    target = start_model_service(
+        "services.target", ["--verify-mode", "sequential", "--n-threads", THREADS, "--max-sessions", "4"], service_tmp
+    )
+    draft = start_model_service("services.draft", ["--drafter", "model", "--n-threads", THREADS], service_tmp)
+    gateway = start_gateway(target.address, draft.address, service_tmp, "--rpc-timeout-s", "10")
+    stack = {"target": target, "draft": draft, "gateway": gateway, "tmp": service_tmp}
+    yield stack
+    for svc in (stack["gateway"], stack["draft"], stack["target"]):
+        svc.stop()
+
+
+def _restart(stack: dict, name: str, args: list[str]) -> Service:
+    port = stack[name].address.rsplit(":", 1)[1]
+    module = "services.target" if name == "target" else "services.draft"
+    stack[name] = start_model_service(module, [*args, "--port", port], stack["tmp"])
+    return stack[name]
+
+
+def test_draft_killed_mid_request_loses_nothing(fault_stack: dict) -> None:
+    gateway, draft = fault_stack["gateway"], fault_stack["draft"]
+    reference = _chat(gateway).json()
+    assert reference["timings"]["speculation"] == "on"
+    expected = reference["choices"][0]["message"]["content"]
+
+    # Stream the same request and SIGKILL the draft after the first chunks arrive.
+    text, killed = [], False
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 96, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{gateway.address}/v1/chat/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            if chunk.get("choices"):
+                text.append(chunk["choices"][0]["delta"].get("content") or "")
+            if not killed and len(text) >= 3:
+                draft.proc.send_signal(signal.SIGKILL)
+                killed = True
+            if chunk.get("timings"):
+                final = chunk["timings"]
+    assert killed
+    assert "".join(text) == expected  # no token lost, repeated or altered
+    assert final["speculation"] == "degraded"
+
+    # New requests are served target-only while the draft is away; health says degraded.
+    later = _chat(gateway).json()
+    assert later["choices"][0]["message"]["content"] == expected
+    assert later["timings"]["speculation"] in ("degraded", "off")
+    health = httpx.get(f"{gateway.address}/health").json()
+    assert health["status"] == "degraded" and health["draft"]["serving"] is False
+
+    # The draft comes back on its port: speculation resumes without restarting the gateway.
+    _restart(fault_stack, "draft", ["--drafter", "model", "--n-threads", THREADS])
+    assert _wait_for(lambda: httpx.get(f"{gateway.address}/health").json()["status"] == "ok", 30)
+    again = _chat(gateway).json()
+    assert again["timings"]["speculation"] == "on" and again["timings"]["draft_n"] > 0
+    assert again["choices"][0]["message"]["content"] == expected
+
+
+def test_target_killed_mid_request_gives_clean_errors(fault_stack: dict) -> None:
+    gateway, target = fault_stack["gateway"], fault_stack["target"]
+    results: dict = {}
+
+    def slow_request() -> None:
+        results["response"] = _chat(gateway, max_tokens=400)
+
+    worker = threading.Thread(target=slow_request)
+    worker.start()
+    time.sleep(1.0)
+    target.proc.send_signal(signal.SIGKILL)
+    worker.join(timeout=60)
+    response = results["response"]
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["type"] == "service_unavailable"
+
+    # Streams end with an SSE error event, then [DONE].
+    lines = []
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{gateway.address}/v1/chat/completions", json=body, timeout=60) as r:
+        status = r.status_code
+        lines = [line for line in r.iter_lines() if line]
+    assert status == 503 or (lines[-1] == "data: [DONE]" and "error" in lines[-2])
+
+    # The gateway stays up and reports the outage; serving resumes when the target returns.
+    health = httpx.get(f"{gateway.address}/health")
+    assert health.status_code == 503 and health.json()["target"]["serving"] is False
+    _restart(fault_stack, "target", ["--verify-mode", "sequential", "--n-threads", THREADS, "--max-sessions", "4"])
+    assert _wait_for(lambda: httpx.get(f"{gateway.address}/health").status_code == 200, 30)
+    assert _chat(gateway).status_code == 200
+
+
+def test_client_disconnect_frees_sessions(fault_stack: dict) -> None:
+    gateway = fault_stack["gateway"]
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{gateway.address}/v1/chat/completions", json=body, timeout=60) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i >= 4:
+                break  # leave mid-stream
+    target, draft = fault_stack["target"].address, fault_stack["draft"].address
+    assert _wait_for(lambda: _active_sessions(target, pb_grpc.TargetStub) == 0, 1.5)
+    assert _wait_for(lambda: _active_sessions(draft, pb_grpc.DraftStub) == 0, 1.5)
+
+
+@pytest.fixture(scope="module")
+def guarded_gateway(target: Service, ngram_draft: Service, service_tmp: Path) -> Iterator[Service]:
+    gateway = start_gateway(
+        target.address, ngram_draft.address, service_tmp,
+        "--api-keys", "right-key", "--max-concurrent", "1", "--max-queue", "0", "--max-body-bytes", "4096",
+    )  # fmt: skip
+    yield gateway
+    gateway.stop()
+
+
+def test_api_keys(guarded_gateway: Service) -> None:
+    url = f"{guarded_gateway.address}/v1/models"
+    for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": "right-key"}):
+        response = httpx.get(url, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(url, headers={"Authorization": "Bearer right-key"}).status_code == 200
+    assert httpx.get(f"{guarded_gateway.address}/health").status_code == 200  # probes need no key
+
+
+def test_oversized_body_is_413(guarded_gateway: Service) -> None:
+    body = {"messages": [{"role": "user", "content": "x" * 10_000}]}
+    response = httpx.post(
+        f"{guarded_gateway.address}/v1/chat/completions",
+        json=body,
+        headers={"Authorization": "Bearer right-key"},
+    )
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+
+
+def test_full_queue_is_429_with_retry_after(guarded_gateway: Service) -> None:
+    headers = {"Authorization": "Bearer right-key"}
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 200, "stream": True}
+    with httpx.stream(
+        "POST", f"{guarded_gateway.address}/v1/chat/completions", json=body, headers=headers, timeout=60
+    ) as busy:
+        next(busy.iter_lines())  # the only slot is taken
+        second = httpx.post(
+            f"{guarded_gateway.address}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            headers=headers,
+        )
+    assert second.status_code == 429
+    assert second.headers["retry-after"] == "1"
+    assert second.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_max_tokens_cap(guarded_gateway: Service) -> None:
+    response = httpx.post(
+        f"{guarded_gateway.address}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000},
+        headers={"Authorization": "Bearer right-key"},
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
