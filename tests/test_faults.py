@@ -181,17 +181,23 @@ def test_oversized_body_is_413(guarded_gateway: Service) -> None:
 
 def test_full_queue_is_429_with_retry_after(guarded_gateway: Service) -> None:
     headers = {"Authorization": "Bearer right-key"}
-    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 200, "stream": True}
-    with httpx.stream(
-        "POST", f"{guarded_gateway.address}/v1/chat/completions", json=body, headers=headers, timeout=60
-    ) as busy:
-        next(busy.iter_lines())  # the only slot is taken
-        second = httpx.post(
-            f"{guarded_gateway.address}/v1/chat/completions",
-            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
-            headers=headers,
-        )
-    assert second.status_code == 429
+    url = f"{guarded_gateway.address}/v1/chat/completions"
+    long_request = {
+        "messages": [{"role": "user", "content": "Count from 1 to 300, one number per line."}],
+        "max_tokens": 400,
+        "temperature": 0,
+    }
+    results: dict = {}
+    worker = threading.Thread(
+        target=lambda: results.update(first=httpx.post(url, json=long_request, headers=headers, timeout=120))
+    )
+    worker.start()
+    running = lambda: httpx.get(f"{guarded_gateway.address}/health").json()["requests"]["running"] == 1  # noqa: E731
+    assert _wait_for(running, 30), "the first request never started"
+    second = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, headers=headers)
+    worker.join(timeout=120)
+    assert results["first"].status_code == 200  # the admitted request is unaffected
+    assert second.status_code == 429, second.text
     assert second.headers["retry-after"] == "1"
     assert second.json()["error"]["type"] == "rate_limit_error"
 

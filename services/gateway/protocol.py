@@ -75,7 +75,7 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="extension: keep the k most likely tokens (0 = off)")
+    top_k: int = Field(0, ge=0, le=1_000_000, description="extension: keep the k most likely tokens (0 = off)")
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False

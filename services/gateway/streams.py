@@ -70,10 +70,12 @@ class StreamMux:
         try:
             response = await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError as exc:
-            stream.pending.pop(request_id, None)
             raise upstream_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.name}: no answer in {timeout} s") from exc
         finally:
+            # Timed out or cancelled (client gone): forget the call, so a late answer or a stream failure
+            # has no one to report to.
             if not future.done():
+                stream.pending.pop(request_id, None)
                 future.cancel()
         if response.HasField("error"):
             code = _CODES.get(response.error.code, grpc.StatusCode.UNKNOWN)
