@@ -20,18 +20,20 @@ from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
 
-def gpu_memory_by_pid() -> dict[int, int]:
+def _smi(query: str) -> list[list[str]]:
     out = subprocess.run(
-        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-        capture_output=True,
-        text=True,
-        check=False,
+        ["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True, text=True, check=False
     ).stdout
-    usage: dict[int, int] = {}
-    for line in out.strip().splitlines():
-        pid, mib = (x.strip() for x in line.split(","))
+    return [[x.strip() for x in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+
+
+def gpu_memory_by_pid() -> dict[int, dict[int, int]]:
+    """{pid: {gpu index: MiB}} from nvidia-smi's compute-apps view."""
+    index_of = {uuid: int(index) for index, uuid in _smi("--query-gpu=index,uuid")}
+    usage: dict[int, dict[int, int]] = {}
+    for pid, uuid, mib in _smi("--query-compute-apps=pid,gpu_uuid,used_memory"):
         if pid.isdigit():
-            usage[int(pid)] = int(mib) if mib.isdigit() else -1
+            usage.setdefault(int(pid), {})[index_of.get(uuid, -1)] = int(mib) if mib.isdigit() else -1
     return usage
 
 
@@ -55,6 +57,7 @@ def exercise(address: str, stub_type, info_only: bool = False) -> pb.InfoRespons
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
+    parser.add_argument("--second-gpu", action="store_true", help="also a draft pinned to cuda:1 (2-GPU machines)")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp())
     model = ["--model", args.model]
@@ -72,7 +75,11 @@ def main() -> int:
                 ["--drafter", "model", "--device", "cpu", "--n-threads", "8"],
             ),
             ("draft@cuda:0", "services.draft", pb_grpc.DraftStub, ["--drafter", "model", *gpu]),
-        ]:
+        ] + (
+            [("draft@cuda:1", "services.draft", pb_grpc.DraftStub,
+              ["--drafter", "model", "--n-gpu-layers", "-1", "--device", "cuda:1"])]
+            if args.second_gpu else []
+        ):  # fmt: skip
             before = total_used_mib()
             svc = start_model_service(module, [*model, *flags], logs)
             procs.append(svc)
@@ -81,15 +88,17 @@ def main() -> int:
             rows.append((name, svc.pid, info.backend, info.device, total_used_mib() - before))
         by_pid = gpu_memory_by_pid()
         print(f"GPU memory in use before: {base} MiB; nvidia-smi per-process view: {by_pid or 'not available here'}")
-        print("| service | pid | backend | device | GPU MiB (nvidia-smi by pid) | GPU MiB (total delta at start) |")
+        print("| service | pid | backend | device | GPU MiB by GPU index (nvidia-smi per pid) | total delta MiB |")
         print("|---|---|---|---|---|---|")
         ok = True
         for name, pid, backend, device, delta in rows:
-            per_pid = by_pid.get(pid, 0) if by_pid else None
-            print(f"| {name} | {pid} | {backend} | {device} | {per_pid if per_pid is not None else '-'} | {delta} |")
-            if name == "draft@cpu" and ((per_pid or 0) > 0 or delta > 0 or backend != "CPU"):
+            per_gpu = by_pid.get(pid, {})
+            print(f"| {name} | {pid} | {backend} | {device} | {per_gpu or 0} | {delta} |")
+            if name == "draft@cpu" and (per_gpu or delta > 0 or backend != "CPU"):
                 ok = False
-        print("CPU-pinned draft holds no GPU memory:", "yes" if ok else "NO")
+            if name == "draft@cuda:1" and (per_gpu.get(0, 0) > 0 or per_gpu.get(1, 0) <= 0):
+                ok = False  # must sit on GPU 1 only
+        print("pinning holds (CPU draft: no GPU memory; cuda:1 draft: nothing on GPU 0):", "yes" if ok else "NO")
         return 0 if ok else 1
     finally:
         for svc in procs:

@@ -53,4 +53,18 @@ bench)
   cp "$OUT/results/results.json" "$OUT/results/table.md" "$OUT/results/"*.png "$OUT/" 2>/dev/null || true
   rm -rf "$OUT/results"
   ;;
+bench-x2)
+  # 2-GPU machine: target on GPU 0; model draft on the CPU, on GPU 0 and on GPU 1 (no peer: see the bench stage).
+  cat "$W"/model.part-* > "$W/model.gguf"
+  echo "model sha256 $(sha256sum "$W/model.gguf" | cut -c1-16)"
+  python3 bench/gpu/pinning.py --model "$W/model.gguf" --second-gpu | tee "$OUT/pinning-x2.txt"
+  python3 -m bench --model "$W/model.gguf" \
+    --target-args "--n-gpu-layers -1 --device cuda:0 --n-threads 4" \
+    --draft "cpu=--device cpu --n-threads 8" --draft "gpu0=--n-gpu-layers -1 --device cuda:0" \
+    --draft "gpu1=--n-gpu-layers -1 --device cuda:1" \
+    ${BENCH_ARGS:---ks 4,8 --quick} --out "$OUT/results" \
+    --label "2x NVIDIA H200, SmolLM2-135M Q4_1, target on GPU 0" 2>&1 | grep -v '^bench:' | tee "$OUT/bench-x2.txt"
+  for f in results.json table.md speedup.png round_split.png; do cp "$OUT/results/$f" "$OUT/x2-$f" 2>/dev/null || true; done
+  rm -rf "$OUT/results"
+  ;;
 esac
