@@ -209,3 +209,47 @@ def test_max_tokens_cap(guarded_gateway: Service) -> None:
         headers={"Authorization": "Bearer right-key"},
     )
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+
+
+def test_draft_stall_past_deadline_degrades_to_target_only(fault_stack: dict) -> None:
+    """SIGSTOP the draft mid-request: its call misses the deadline and the request finishes target-only, unchanged."""
+    draft = fault_stack["draft"]
+    gateway = start_gateway(fault_stack["target"].address, draft.address, fault_stack["tmp"], "--rpc-timeout-s", "1.5")
+    try:
+        expected = _chat(gateway).json()["choices"][0]["message"]["content"]
+        text, stopped = [], False
+        body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 96, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{gateway.address}/v1/chat/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                if chunk.get("choices"):
+                    text.append(chunk["choices"][0]["delta"].get("content") or "")
+                if not stopped and len(text) >= 3:
+                    draft.proc.send_signal(signal.SIGSTOP)
+                    stopped = True
+                if chunk.get("timings"):
+                    final = chunk["timings"]
+        assert stopped
+        assert "".join(text) == expected
+        assert final["speculation"] == "degraded"
+    finally:
+        draft.proc.send_signal(signal.SIGCONT)
+        gateway.stop()
+
+
+def test_orphaned_sessions_expire(service_tmp: Path) -> None:
+    """A session nobody closes (its gateway died, say) is dropped after the idle timeout, freeing its KV."""
+    target = start_model_service("services.target", ["--n-threads", "1", "--session-idle-timeout-s", "1"], service_tmp)
+    try:
+        with grpc.insecure_channel(target.address) as channel:
+            stub = pb_grpc.TargetStub(channel)
+            stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id="orphan", prompt_token_ids=[1, 504, 2573])]))
+            assert stub.Info(pb.InfoRequest()).active_sessions == 1
+            # The expiry sweep runs every 5 s.
+            assert _wait_for(lambda: stub.Info(pb.InfoRequest()).active_sessions == 0, 12)
+            assert stub.Info(pb.InfoRequest()).kv_tokens == 0
+    finally:
+        target.stop()
