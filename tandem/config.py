@@ -70,6 +70,14 @@ class EngineSettings(BaseSettings):
 class ServiceSettings(EngineSettings):
     host: str = Field("127.0.0.1", description="address to listen on; anything but loopback is an explicit choice")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = pick a free one and print it)")
+    tls_cert: Path | None = Field(None, description="PEM certificate: serve gRPC over TLS (with --tls-key)")
+    tls_key: Path | None = Field(None, description="PEM private key of --tls-cert")
+    tls_client_ca: Path | None = Field(
+        None, description="PEM CA: require client certificates signed by it (mutual TLS)"
+    )
+    auth_token: str | None = Field(
+        None, description="shared token: every call but health checks must send 'authorization: Bearer <token>'"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
@@ -124,6 +132,10 @@ class GatewaySettings(BaseSettings):
     max_tokens_default: int = Field(512, ge=1, description="max_tokens when the request gives none")
     rpc_timeout_s: float = Field(30.0, gt=0, description="deadline of each gRPC call")
     startup_timeout_s: float = Field(600.0, gt=0, description="how long to wait for the services at start")
+    upstream_tls_ca: Path | None = Field(None, description="PEM CA: talk TLS to the services, verifying them")
+    upstream_tls_cert: Path | None = Field(None, description="PEM client certificate for mutual TLS")
+    upstream_tls_key: Path | None = Field(None, description="PEM private key of --upstream-tls-cert")
+    upstream_token: str | None = Field(None, description="shared token sent to the services (their --auth-token)")
     api_keys: list[str] = Field(
         default_factory=list,
         description='accepted Bearer keys (TANDEM_GATEWAY_API_KEYS=\'["k1","k2"]\'); empty = no authentication',

@@ -8,10 +8,12 @@ interceptor, never in the servicers.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -102,6 +104,50 @@ async def stream_replies(
         yield response
 
 
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuse calls without the shared token (health checks stay open for orchestrators' probes)."""
+
+    OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
+        if handler_call_details.method.startswith(self.OPEN_PREFIXES):
+            return await continuation(handler_call_details)
+        sent = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(sent.encode() if isinstance(sent, str) else sent, self._expected):
+            return await continuation(handler_call_details)
+
+        async def refuse(request, context: grpc.aio.ServicerContext):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+
+        handler = await continuation(handler_call_details)
+        if handler is not None and handler.stream_stream is not None:
+
+            async def refuse_stream(requests, context: grpc.aio.ServicerContext):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+                yield  # pragma: no cover - makes this an async generator
+
+            return grpc.stream_stream_rpc_method_handler(refuse_stream)
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+def server_credentials(cert: Path | None, key: Path | None, client_ca: Path | None) -> grpc.ServerCredentials | None:
+    """TLS (and, with a client CA, mutual TLS) server credentials, or None for plaintext."""
+    if cert is None and key is None:
+        if client_ca is not None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if cert is None or key is None:
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    return grpc.ssl_server_credentials(
+        [(key.read_bytes(), cert.read_bytes())],
+        root_certificates=client_ca.read_bytes() if client_ca else None,
+        require_client_auth=client_ca is not None,
+    )
+
+
 class EngineWorker:
     """Runs blocking engine work on one dedicated thread, so llama.cpp is never entered twice at once."""
 
@@ -124,17 +170,20 @@ async def serve(
     load: Callable[[], Awaitable[None]],
     periodic: Callable[[], Awaitable[None]] | None = None,
     period_s: float = 5.0,
-    ready_file: str | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+    auth_token: str | None = None,
 ) -> None:
     """Listen on host:port, report NOT_SERVING, run `load`, report SERVING, then serve until SIGINT/SIGTERM."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+    interceptors = [TokenInterceptor(auth_token)] if auth_token else []
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=SERVER_OPTIONS)
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"could not listen on {host}:{port}")
     await server.start()

@@ -12,7 +12,7 @@ async def _serve(settings: DraftSettings) -> None:
     from services.draft.drafters import Drafter, ModelDrafter, NgramDrafter
     from services.draft.service import DraftService
     from services.draft.servicer import DraftServicer
-    from tandem.grpc_server import EngineWorker, serve
+    from tandem.grpc_server import EngineWorker, serve, server_credentials
     from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
     worker = EngineWorker()
@@ -43,6 +43,8 @@ async def _serve(settings: DraftSettings) -> None:
         register=lambda server: pb_grpc.add_DraftServicer_to_server(servicer, server),
         load=load,
         periodic=expire,
+        credentials=server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca),
+        auth_token=settings.auth_token,
     )
     worker.shutdown()
 

@@ -18,7 +18,7 @@ from services.gateway.errors import OpenAIError
 from services.gateway.guards import OPEN_PATHS, BodyLimit, check_api_key
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.serving import Serving, now
-from services.gateway.upstream import connect
+from services.gateway.upstream import ChannelSecurity, connect
 from tandem import __version__
 from tandem.config import GatewaySettings
 from tandem.telemetry import setup_tracing
@@ -112,7 +112,13 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
         async def start() -> None:
             try:
-                upstreams = await connect(settings.target, settings.draft or None, settings.startup_timeout_s)
+                security = ChannelSecurity(
+                    settings.upstream_tls_ca,
+                    settings.upstream_tls_cert,
+                    settings.upstream_tls_key,
+                    settings.upstream_token,
+                )
+                upstreams = await connect(settings.target, settings.draft or None, settings.startup_timeout_s, security)
             except Exception as exc:
                 app.state.startup_error = str(exc)
                 log.error("gateway start-up failed: %s", exc)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,6 +24,43 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+
+
+class TokenMetadata(grpc.aio.UnaryUnaryClientInterceptor):
+    """Adds the shared service token to every unary call (streams get it when they open: see Upstreams)."""
+
+    def __init__(self, token: str) -> None:
+        self._entry = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*tuple(details.metadata or ()), self._entry)
+        return details._replace(metadata=metadata)
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(self._with_token(client_call_details), request)
+
+
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """How the gateway reaches the services: plaintext by default, TLS with a CA, mutual TLS with a client cert."""
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    token: str | None = None
+
+    def open(self, address: str) -> grpc.aio.Channel:
+        interceptors = [TokenMetadata(self.token)] if self.token else None
+        if self.ca is None:
+            if self.cert or self.key:
+                raise ValueError("--upstream-tls-cert/--upstream-tls-key need --upstream-tls-ca")
+            return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=self.ca.read_bytes(),
+            private_key=self.key.read_bytes() if self.key else None,
+            certificate_chain=self.cert.read_bytes() if self.cert else None,
+        )
+        return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 
 class IncompatibleDraft(RuntimeError):
@@ -71,12 +109,14 @@ class Upstreams:
     propose: StreamMux | None = None  # Draft.ProposeStream
     target_health: health_pb2_grpc.HealthStub | None = None
     draft_health: health_pb2_grpc.HealthStub | None = None
+    stream_metadata: tuple[tuple[str, str], ...] = ()  # the shared token, for streams (interceptors miss them)
 
     def __post_init__(self) -> None:
-        self.verify = StreamMux(self.target.VerifyStream, "target")
+        md = self.stream_metadata or None
+        self.verify = StreamMux(lambda: self.target.VerifyStream(metadata=md), "target")
         self.target_health = health_pb2_grpc.HealthStub(self.channels[0])
         if self.draft is not None:
-            self.propose = StreamMux(self.draft.ProposeStream, "draft")
+            self.propose = StreamMux(lambda: self.draft.ProposeStream(metadata=md), "draft")
             self.draft_health = health_pb2_grpc.HealthStub(self.channels[1])
 
     async def close(self) -> None:
@@ -87,13 +127,16 @@ class Upstreams:
             await channel.close()
 
 
-async def connect(target_addr: str, draft_addr: str | None, timeout_s: float) -> Upstreams:
+async def connect(
+    target_addr: str, draft_addr: str | None, timeout_s: float, security: ChannelSecurity | None = None
+) -> Upstreams:
+    security = security or ChannelSecurity()
     channels = []
-    target_channel = grpc.aio.insecure_channel(target_addr, options=CHANNEL_OPTIONS)
+    target_channel = security.open(target_addr)
     channels.append(target_channel)
     draft_channel = None
     if draft_addr:
-        draft_channel = grpc.aio.insecure_channel(draft_addr, options=CHANNEL_OPTIONS)
+        draft_channel = security.open(draft_addr)
         channels.append(draft_channel)
     try:
         waits = [wait_serving(target_channel, "tandem.v1.Target", timeout_s)]
@@ -113,7 +156,8 @@ async def connect(target_addr: str, draft_addr: str | None, timeout_s: float) ->
             target_info.device,
             f"{draft_info.drafter}:{draft_info.model_name} on {draft_info.device}" if draft_info else "none",
         )
-        return Upstreams(target, target_info, draft, draft_info, channels)
+        token = (("authorization", f"Bearer {security.token}"),) if security.token else ()
+        return Upstreams(target, target_info, draft, draft_info, channels, stream_metadata=token)
     except BaseException:
         for channel in channels:
             await channel.close()

@@ -12,7 +12,7 @@ async def _serve(settings: TargetSettings) -> None:
     from services.target.servicer import TargetServicer
     from services.target.verifier import Verifier
     from tandem.engine import Engine
-    from tandem.grpc_server import EngineWorker, serve
+    from tandem.grpc_server import EngineWorker, serve, server_credentials
     from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
     worker = EngineWorker()
@@ -33,6 +33,8 @@ async def _serve(settings: TargetSettings) -> None:
         register=lambda server: pb_grpc.add_TargetServicer_to_server(servicer, server),
         load=load,
         periodic=expire,
+        credentials=server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca),
+        auth_token=settings.auth_token,
     )
     worker.shutdown()
 

@@ -1,0 +1,97 @@
+"""gRPC between the gateway and the services over TLS, mutual TLS and a shared token, with throw-away certificates."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
+from tests.conftest import THREADS, Service, start_gateway, start_model_service
+
+TOKEN = "s3cret-token"
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, all made for this test run."""
+    d = tmp_path_factory.mktemp("pki")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=tandem-test-ca",
+             "-keyout", "ca.key", "-out", "ca.pem", cwd=d)  # fmt: skip
+    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name, ext in (("server", ["-extfile", "server.ext"]), ("client", [])):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN=tandem-{name}",
+                 "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-days", "1", "-out", f"{name}.pem", *ext, cwd=d)  # fmt: skip
+    return d
+
+
+@pytest.fixture(scope="module")
+def secure_stack(pki: Path, service_tmp: Path) -> Iterator[dict[str, Service]]:
+    tls = ["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
+           "--tls-client-ca", str(pki / "ca.pem"), "--auth-token", TOKEN]  # fmt: skip
+    target = start_model_service("services.target", ["--n-threads", THREADS, *tls], service_tmp)
+    draft = start_model_service("services.draft", ["--drafter", "ngram", *tls], service_tmp)
+    gateway = start_gateway(
+        target.address, draft.address, service_tmp,
+        "--upstream-tls-ca", str(pki / "ca.pem"), "--upstream-tls-cert", str(pki / "client.pem"),
+        "--upstream-tls-key", str(pki / "client.key"), "--upstream-token", TOKEN,
+    )  # fmt: skip
+    yield {"target": target, "draft": draft, "gateway": gateway}
+    for svc in (gateway, draft, target):
+        svc.stop()
+
+
+def test_gateway_speaks_mutual_tls_with_token(secure_stack: dict[str, Service]) -> None:
+    reply = httpx.post(
+        f"{secure_stack['gateway'].address}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Repeat: one two three one two three"}], "max_tokens": 24},
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["timings"]["speculation"] == "on"  # the draft stream works through TLS and the token too
+
+
+def _channel(address: str, pki: Path, client_cert: bool) -> grpc.Channel:
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=(pki / "ca.pem").read_bytes(),
+        private_key=(pki / "client.key").read_bytes() if client_cert else None,
+        certificate_chain=(pki / "client.pem").read_bytes() if client_cert else None,
+    )
+    return grpc.secure_channel(address, credentials)
+
+
+def test_services_refuse_what_lacks_credentials(secure_stack: dict[str, Service], pki: Path) -> None:
+    address = secure_stack["target"].address
+    with grpc.insecure_channel(address) as plain:  # no TLS at all
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.TargetStub(plain).Info(pb.InfoRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    with _channel(address, pki, client_cert=False) as no_cert:  # TLS but no client certificate
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.TargetStub(no_cert).Info(pb.InfoRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    with _channel(address, pki, client_cert=True) as mtls:
+        stub = pb_grpc.TargetStub(mtls)
+        with pytest.raises(grpc.RpcError) as info:  # mutual TLS but no token
+            stub.Info(pb.InfoRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as info:  # wrong token
+            stub.Info(pb.InfoRequest(), timeout=5, metadata=(("authorization", "Bearer nope"),))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        info_reply = stub.Info(pb.InfoRequest(), timeout=5, metadata=(("authorization", f"Bearer {TOKEN}"),))
+        assert info_reply.vocab_size == 49152
+        # Health checks need no token, so orchestrators' probes keep working.
+        health = health_pb2_grpc.HealthStub(mtls).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
