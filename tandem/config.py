@@ -33,12 +33,18 @@ class EngineSettings(BaseSettings):
     )
     n_threads: int = Field(0, ge=0, description="CPU threads for decoding (0 = all cores)")
     n_threads_batch: int = Field(0, ge=0, description="CPU threads for prefill/verify batches (0 = n_threads)")
-    n_ctx: int = Field(4096, ge=64, description="KV cells shared by all sessions (tokens)")
+    n_ctx: int = Field(8192, ge=64, description="KV cells of the whole context, split evenly between the sessions")
     n_batch: int = Field(512, ge=16, description="largest batch given to one llama_decode call")
     max_sessions: int = Field(4, ge=1, le=256, description="sessions (KV sequences) served at once")
     cache_type_k: KvCacheType = Field("f16", description="KV cache type for keys (q8_0 halves the memory)")
     cache_type_v: KvCacheType = Field("f16", description="KV cache type for values (quantised V needs flash attention)")
     flash_attn: Literal["auto", "on", "off"] = Field("off", description="flash attention")
+    kv_unified: bool = Field(
+        False,
+        description="one KV buffer shared by all sessions (more context per session) instead of one slice per"
+        " session; shared, a session's numerics depend on where other sessions' cells lie, so temperature-0 text can"
+        " differ under load from the same request alone",
+    )
     extra_buffers: bool = Field(
         False,
         description="let llama.cpp repack CPU weights into extra buffer types (AMX...); off because the AMX path of"

@@ -113,13 +113,14 @@ class Engine:
         cparams.flash_attn_type = _FLASH_ATTN[settings.flash_attn]
         cparams.type_k = _GGML_TYPES[settings.cache_type_k]
         cparams.type_v = _GGML_TYPES[settings.cache_type_v]
-        cparams.kv_unified = True  # all sessions share the n_ctx cells instead of n_ctx / max_sessions each
+        # Default: a KV slice per session, so each session's numerics are independent of the others (batch invariance).
+        cparams.kv_unified = settings.kv_unified
         cparams.no_perf = True
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise EngineFailure("llama.cpp could not create a context (out of memory? try a smaller --n-ctx)")
         self._memory = llama_cpp.llama_get_memory(self._ctx)
-        self.n_ctx = llama_cpp.llama_n_ctx(self._ctx)
+        self.n_ctx = llama_cpp.llama_n_ctx_seq(self._ctx)  # the context one session can use
         self.n_batch = settings.n_batch
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)

@@ -30,7 +30,7 @@ def service_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def target(service_tmp: Path) -> Iterator[Service]:
     service = start_model_service(
-        "services.target", ["--n-threads", THREADS, "--max-sessions", "8", "--n-ctx", "8192"], service_tmp
+        "services.target", ["--n-threads", THREADS, "--max-sessions", "8", "--n-ctx", "16384"], service_tmp
     )
     yield service
     service.stop()
@@ -48,7 +48,7 @@ def model_draft(service_tmp: Path) -> Iterator[Service]:
     """The same model as the target, as its own draft: acceptance should then be near 1 (lossless check)."""
     service = start_model_service(
         "services.draft",
-        ["--drafter", "model", "--n-threads", THREADS, "--max-sessions", "8", "--n-ctx", "8192"],
+        ["--drafter", "model", "--n-threads", THREADS, "--max-sessions", "8", "--n-ctx", "16384"],
         service_tmp,
     )
     yield service

@@ -46,7 +46,7 @@ def test_metrics_count_speculation(gateway: Service) -> None:
     assert _metric(after, "tandem_sessions_active", '{service="target"}') == 0
     assert _metric(after, "tandem_sessions_active", '{service="draft"}') == 0
     assert _metric(after, "tandem_upstream_up", '{service="target"}') == 1
-    assert _metric(after, "tandem_kv_capacity_tokens", '{service="target"}') == 8192
+    assert _metric(after, "tandem_kv_capacity_tokens", '{service="target"}') == 2048
 
 
 def test_response_reports_acceptance(gateway: Service) -> None:

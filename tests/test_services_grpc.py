@@ -37,7 +37,7 @@ def test_info_describes_model_and_vocab(target_channel: grpc.Channel) -> None:
     info = pb_grpc.TargetStub(target_channel).Info(pb.InfoRequest())
     assert info.vocab_size == 49152
     assert len(info.vocab_fingerprint) == 64
-    assert info.context_size == 8192
+    assert info.context_size == 2048  # 16384 cells, a slice per session (8)
     assert info.backend == "CPU"
     assert info.model_name == "SmolLM2-135M-Instruct.Q4_1"
     assert "<|im_start|>" in info.chat_template
