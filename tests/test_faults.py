@@ -144,8 +144,8 @@ def test_client_disconnect_frees_sessions(fault_stack: dict) -> None:
             if i >= 4:
                 break  # leave mid-stream
     target, draft = fault_stack["target"].address, fault_stack["draft"].address
-    assert _wait_for(lambda: _active_sessions(target, pb_grpc.TargetStub) == 0, 1.5)
-    assert _wait_for(lambda: _active_sessions(draft, pb_grpc.DraftStub) == 0, 1.5)
+    assert _wait_for(lambda: _active_sessions(target, pb_grpc.TargetStub) == 0, 1.0)
+    assert _wait_for(lambda: _active_sessions(draft, pb_grpc.DraftStub) == 0, 1.0)
 
 
 @pytest.fixture(scope="module")

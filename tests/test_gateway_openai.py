@@ -198,3 +198,17 @@ def test_sdk_raises_typed_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)
     assert info.value.body["param"] == "n"
+
+
+def test_prompts_and_completions_are_not_logged(gateway: Service, target: Service, ngram_draft: Service) -> None:
+    marker = "zebra-quartz-7731"
+    reply = httpx.post(
+        f"{gateway.address}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": f"Repeat exactly: {marker}"}], "max_tokens": 16},
+        timeout=60,
+    ).json()
+    completion = reply["choices"][0]["message"]["content"].strip()
+    for service in (gateway, target, ngram_draft):
+        log = service.log()
+        assert marker not in log
+        assert not completion or completion not in log
