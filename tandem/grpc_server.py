@@ -225,3 +225,37 @@ async def serve(
     if loader.done() and loader.exception() is not None:
         raise SystemExit(1)
     loader.cancel()
+
+
+async def serve_service(
+    settings,
+    *,
+    service_name: str,
+    register: Callable[[grpc.aio.Server], None],
+    load: Callable[[], Awaitable[None]],
+    periodic: Callable[[], Awaitable[None]] | None,
+) -> None:
+    """`serve` with the address, TLS and token of a model service's settings."""
+    await serve(
+        host=settings.host,
+        port=settings.port,
+        service_name=service_name,
+        register=register,
+        load=load,
+        periodic=periodic,
+        credentials=server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca),
+        auth_token=settings.auth_token,
+    )
+
+
+def service_main(settings_type: type, tracing_name: str, run: Callable[[Any], Awaitable[None]], argv=None) -> None:
+    """Entry point shared by the model services: tracing, settings, device pinning, then `run(settings)`."""
+    from tandem.cli import parse_settings
+    from tandem.telemetry import setup_tracing
+
+    setup_tracing(tracing_name)
+    settings = parse_settings(settings_type, argv)
+    settings.pin_device()  # before llama_cpp loads and enumerates devices
+    import tandem.engine  # noqa: F401  llama_cpp before numpy: the other order crashes model loading on some images
+
+    asyncio.run(run(settings))

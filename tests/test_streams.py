@@ -46,7 +46,10 @@ def test_concurrent_calls_share_one_stream(target: Service) -> None:
             # Each session alone gives the same tokens: calls did not get mixed up between sessions.
             for i, tokens in enumerate(together):
                 sid, pos = await _open(stub, [1, 504, 2573, 1244 + i])
+                sessions.append((sid, pos))
                 assert await decode(sid, pos) == tokens
+            closed = await stub.Close(pb.CloseRequest(session_ids=[sid for sid, _ in sessions]))
+            assert closed.closed == len(sessions)
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await mux.call(pb.VerifyRequest(items=[pb.VerifyItem(session_id="nope", position=1)]), timeout=30)
             assert info.value.code() == grpc.StatusCode.NOT_FOUND
@@ -77,6 +80,7 @@ def test_stream_reopens_after_service_restart(service_tmp) -> None:
                 sid, pos = await _open(stub, [1, 504, 2573])
                 reply = await mux.call(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos)]), 30)
                 assert reply.results[0].position == pos + 1
+                await stub.Close(pb.CloseRequest(session_ids=[sid]))
                 await mux.close()
         finally:
             svc.stop()

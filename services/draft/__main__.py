@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
-from tandem.cli import parse_settings
 from tandem.config import DraftSettings
 
 
@@ -12,7 +9,7 @@ async def _serve(settings: DraftSettings) -> None:
     from services.draft.drafters import Drafter, ModelDrafter, NgramDrafter
     from services.draft.service import DraftService
     from services.draft.servicer import DraftServicer
-    from tandem.grpc_server import EngineWorker, serve, server_credentials
+    from tandem.grpc_server import EngineWorker, serve_service
     from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
     worker = EngineWorker()
@@ -36,28 +33,20 @@ async def _serve(settings: DraftSettings) -> None:
         if servicer.service is not None:
             await worker.run(servicer.service.expire_idle)
 
-    await serve(
-        host=settings.host,
-        port=settings.port,
+    await serve_service(
+        settings,
         service_name="tandem.v1.Draft",
         register=lambda server: pb_grpc.add_DraftServicer_to_server(servicer, server),
         load=load,
         periodic=expire,
-        credentials=server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca),
-        auth_token=settings.auth_token,
     )
     worker.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tandem.telemetry import setup_tracing
+    from tandem.grpc_server import service_main
 
-    setup_tracing("tandem-draft")
-    settings = parse_settings(DraftSettings, argv)
-    settings.pin_device()  # before llama_cpp loads and enumerates devices
-    import tandem.engine  # noqa: F401  llama_cpp before numpy: the other order crashes model loading on some images
-
-    asyncio.run(_serve(settings))
+    service_main(DraftSettings, "tandem-draft", _serve, argv)
 
 
 if __name__ == "__main__":
