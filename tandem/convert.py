@@ -55,6 +55,19 @@ def dist_from_pb(msg: pb.SparseDistribution, n_vocab: int) -> SparseDist:
     return SparseDist(ids, probs / probs.sum())
 
 
+def serving_stats(msg: pb.InfoResponse, store, scheduler) -> pb.InfoResponse:
+    """Fill an Info answer's live figures: sessions, KV use, batching and prefix-cache counters."""
+    msg.active_sessions = len(store)
+    msg.kv_tokens = store.kv_tokens
+    msg.cached_tokens = store.cached_tokens
+    msg.reused_prompt_tokens = store.reused_tokens
+    if scheduler is not None:
+        msg.batched_steps = scheduler.steps
+        msg.batched_calls = scheduler.batched_groups
+        msg.max_step_calls = scheduler.max_groups_seen
+    return msg
+
+
 def info_pb(engine: Engine, drafter: str = "", active_sessions: int = 0, kv_tokens: int = 0) -> pb.InfoResponse:
     """Describe a loaded engine (the target, or a draft service's model drafter)."""
     msg = pb.InfoResponse(

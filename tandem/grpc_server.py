@@ -85,10 +85,18 @@ async def stream_replies(
     context: grpc.aio.ServicerContext,
     span_name: str,
 ) -> AsyncIterator[Any]:
-    """Serve a request stream with a unary handler: answers in order, failures as in-band `error` statuses."""
+    """Serve a request stream with a unary handler; failures become in-band `error` statuses.
+
+    Requests are handled concurrently, each answer sent when ready and matched by request_id: one stream carries
+    the calls of every request the gateway is serving, and they must reach the step scheduler together to be
+    batched. (A caller that needs order waits for its answer before sending its next call, as the gateway does.)
+    """
     from tandem.v1 import tandem_pb2 as pb
 
-    async for request in requests:
+    answers: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def answer(request: Any) -> None:
         parent = propagate.extract(dict(request.trace_context))
         with tracer().start_as_current_span(span_name, context=parent, kind=SpanKind.SERVER) as span:
             try:
@@ -101,7 +109,26 @@ async def stream_replies(
                 code = grpc.StatusCode.INTERNAL.value[0]
                 response = response_type(error=pb.Status(code=code, message=f"{type(exc).__name__}: {exc}"))
         response.request_id = request.request_id
-        yield response
+        await answers.put(response)
+
+    async def read() -> None:
+        tasks: set[asyncio.Task] = set()
+        try:
+            async for request in requests:
+                task = asyncio.create_task(answer(request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            await answers.put(done)
+
+    reader = asyncio.create_task(read())
+    try:
+        while (item := await answers.get()) is not done:
+            yield item
+    finally:
+        reader.cancel()
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -246,16 +273,3 @@ async def serve_service(
         credentials=server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca),
         auth_token=settings.auth_token,
     )
-
-
-def service_main(settings_type: type, tracing_name: str, run: Callable[[Any], Awaitable[None]], argv=None) -> None:
-    """Entry point shared by the model services: tracing, settings, device pinning, then `run(settings)`."""
-    from tandem.cli import parse_settings
-    from tandem.telemetry import setup_tracing
-
-    setup_tracing(tracing_name)
-    settings = parse_settings(settings_type, argv)
-    settings.pin_device()  # before llama_cpp loads and enumerates devices
-    import tandem.engine  # noqa: F401  llama_cpp before numpy: the other order crashes model loading on some images
-
-    asyncio.run(run(settings))

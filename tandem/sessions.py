@@ -7,7 +7,9 @@ of being applied twice). The store hands out a bounded number of KV sequences an
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +36,11 @@ class Session:
     last_call: tuple[Hashable, Any] | None = None
     #: Drafter-specific state (e.g. the n-gram index).
     extra: Any = None
+    #: Set when the session is closed; long work on the engine thread checks it to stop early.
+    closed: bool = False
+    #: Logits of the last prompt token (target). Kept with the slot, so that a repeat of the same prompt starts from
+    #: the very row a cold prefill computed (recomputing it alone can round differently and change greedy text).
+    prompt_row: Any = None
 
     @property
     def position(self) -> int:
@@ -54,12 +61,27 @@ class Session:
 
         The caller evaluates tokens[kept:] and records them in kv_tokens.
         """
-        kept = 0
-        limit = min(len(self.kv_tokens), len(tokens))
-        while kept < limit and self.kv_tokens[kept] == tokens[kept]:
-            kept += 1
+        kept = common_prefix(self.kv_tokens, tokens)
         del self.kv_tokens[kept:]
         return kept
+
+
+@dataclass
+class CachedSlot:
+    """What a free slot's KV cells still hold: tokens, and the prompt that produced them (prefix cache)."""
+
+    tokens: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+    prompt_row: Any = None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = 0
+    limit = min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def make_rng(seed: int | None, salt: int = 0) -> np.random.Generator:
@@ -70,21 +92,32 @@ def make_rng(seed: int | None, salt: int = 0) -> np.random.Generator:
 
 
 class SessionStore:
-    """Sessions by id, with a pool of KV sequence ids bounded by the engine's max_sessions."""
+    """Sessions by id, with a pool of KV sequence ids bounded by the engine's max_sessions.
+
+    Closing is two-step so that it never waits behind engine work: `close` (any thread) drops the session at once,
+    so later calls for it fail with NOT_FOUND and it no longer counts as live; `take_closed` + `release` (the engine
+    thread, before its next job) clear its KV cells and return its sequence id to the pool.
+    """
 
     def __init__(self, max_sessions: int, idle_timeout_s: float) -> None:
         self._sessions: dict[str, Session] = {}
+        self._closed: list[Session] = []
+        self._lock = threading.Lock()
         self.max_sessions = max_sessions
-        self._free_seq_ids = list(range(max_sessions - 1, -1, -1))
+        #: Free sequence ids, least recently released first, each with the tokens its KV cells still hold
+        #: (prefix cache: a new session whose prompt starts with them reuses those cells instead of recomputing).
+        self._free: OrderedDict[int, CachedSlot] = OrderedDict((i, CachedSlot()) for i in range(max_sessions))
         self.idle_timeout_s = idle_timeout_s
+        self.reused_tokens = 0  # prompt tokens served from the prefix cache, for metrics and tests
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     @property
     def kv_tokens(self) -> int:
-        """Tokens held in the KV cache by all sessions."""
-        return sum(len(s.kv_tokens) for s in self._sessions.values())
+        """Tokens held in the KV cache by all live sessions."""
+        with self._lock:
+            return sum(len(s.kv_tokens) for s in self._sessions.values())
 
     def find(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)
@@ -110,19 +143,39 @@ class SessionStore:
             raise InvalidArgument("prompt_token_ids must not be empty")
         if session_id in self._sessions:
             raise InvalidArgument(f"session {session_id!r} already exists with a different prompt")
-        if not self._free_seq_ids:
-            raise ResourceExhausted(f"all {len(self._sessions)} session slots are busy; retry later")
-        session = Session(
-            session_id=session_id,
-            seq_id=self._free_seq_ids.pop(),
-            prompt=tuple(prompt),
-            sampling=sampling,
-            rng=rng,
-            top_logprobs=top_logprobs,
-            tokens=list(prompt),
-        )
-        self._sessions[session_id] = session
+        with self._lock:
+            if not self._free:
+                raise ResourceExhausted(f"all {len(self._sessions)} session slots are busy; retry later")
+            seq_id, cached, row = self._pick_slot(prompt)
+            session = Session(
+                session_id=session_id,
+                seq_id=seq_id,
+                prompt=tuple(prompt),
+                sampling=sampling,
+                rng=rng,
+                top_logprobs=top_logprobs,
+                tokens=list(prompt),
+                kv_tokens=cached,
+                prompt_row=row,
+            )
+            self.reused_tokens += len(cached)
+            self._sessions[session_id] = session
         return session
+
+    def _pick_slot(self, prompt: Sequence[int]) -> tuple[int, list[int], Any]:
+        """The free slot whose cached tokens share the longest prefix with `prompt`, else the least recently used.
+
+        Returns the slot, the reusable prefix (the caller truncates the slot's KV cells to it) and, when the slot
+        last served this very prompt, that prompt's last logits row.
+        """
+        best_id, best_len = next(iter(self._free)), 0
+        for seq_id, cached in self._free.items():
+            n = common_prefix(cached.tokens, prompt)
+            if n > best_len:
+                best_id, best_len = seq_id, n
+        slot = self._free.pop(best_id)
+        same_prompt = best_len >= len(prompt) and slot.prompt_len == len(prompt)
+        return best_id, slot.tokens[:best_len], slot.prompt_row if same_prompt else None
 
     def rollback(self, items: Sequence[tuple[str, int]]) -> list[Session]:
         """Shorten each session's sequence to `position` tokens (never into the prompt); all are checked first."""
@@ -136,11 +189,38 @@ class SessionStore:
         return [session for session, _ in sessions]
 
     def close(self, session_id: str) -> Session | None:
-        session = self._sessions.pop(session_id, None)
-        if session is not None:
-            self._free_seq_ids.append(session.seq_id)
+        """Drop a live session at once (safe from any thread); its KV is reclaimed by `take_closed`/`release`."""
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+            if session is not None:
+                session.closed = True
+                self._closed.append(session)
         return session
+
+    def take_closed(self) -> list[Session]:
+        """Closed sessions whose KV cells still need clearing (engine thread)."""
+        with self._lock:
+            closed, self._closed = self._closed, []
+        return closed
+
+    def release(self, session: Session, keep_cache: bool) -> None:
+        """Return a closed session's sequence id to the pool: with `keep_cache`, its KV cells stay for reuse by a
+        later prompt with the same prefix; otherwise the caller has cleared them."""
+        with self._lock:
+            self._free[session.seq_id] = (
+                CachedSlot(list(session.kv_tokens), len(session.prompt), session.prompt_row)
+                if keep_cache
+                else CachedSlot()
+            )
+            self._free.move_to_end(session.seq_id)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens kept in free slots for prefix reuse."""
+        with self._lock:
+            return sum(len(c.tokens) for c in self._free.values())
 
     def idle(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
-        return [sid for sid, s in self._sessions.items() if now - s.last_used > self.idle_timeout_s]
+        with self._lock:
+            return [sid for sid, s in self._sessions.items() if now - s.last_used > self.idle_timeout_s]

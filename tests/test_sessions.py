@@ -79,18 +79,48 @@ def test_seq_id_reused_after_close() -> None:
     create(store, "a")
     b = create(store, "b")
     closed = store.close("b")
-    assert closed is b
+    assert closed is b and b.closed
     assert len(store) == 1
+    with pytest.raises(ResourceExhausted):  # not reusable until the engine thread has reclaimed it
+        create(store, "c")
+    reclaim(store)
     c = create(store, "c")
     assert c.seq_id == b.seq_id
     with pytest.raises(ResourceExhausted):
         create(store, "d")
 
 
+def reclaim(store: SessionStore, keep_cache: bool = False) -> None:
+    for session in store.take_closed():
+        store.release(session, keep_cache)
+
+
+def test_prefix_cache_picks_the_longest_shared_prefix_then_lru() -> None:
+    store = SessionStore(max_sessions=3, idle_timeout_s=10.0)
+    a = create(store, "a", [1, 2, 3])
+    a.kv_tokens = [1, 2, 3, 4, 5]
+    b = create(store, "b", [7, 8])
+    b.kv_tokens = [7, 8, 9]
+    store.close("a")
+    store.close("b")
+    reclaim(store, keep_cache=True)
+    assert store.cached_tokens == 8
+    turn2 = create(store, "c", [1, 2, 3, 4, 6, 6])
+    assert turn2.seq_id == a.seq_id and turn2.kv_tokens == [1, 2, 3, 4]
+    assert store.reused_tokens == 4
+    # No shared prefix: the least recently released slot is taken and nothing is reused.
+    other = create(store, "d", [5])
+    assert other.kv_tokens == []
+    assert other.seq_id != b.seq_id  # the never-used slot went free first, before b was released
+    last = create(store, "e", [9])
+    assert last.seq_id == b.seq_id and last.kv_tokens == []
+
+
 def test_session_id_reusable_after_close() -> None:
     store = SessionStore(max_sessions=1, idle_timeout_s=10.0)
     create(store, "a", [1])
     store.close("a")
+    reclaim(store)
     again = create(store, "a", [2])
     assert again.prompt == (2,)
     assert store.get("a") is again
@@ -102,6 +132,7 @@ def test_close_unknown_returns_none_and_frees_nothing() -> None:
     assert store.close("nope") is None
     assert store.close("a") is not None
     assert store.close("a") is None  # closing twice must not put the seq id back twice
+    reclaim(store)
     create(store, "b")
     with pytest.raises(ResourceExhausted):
         create(store, "c")

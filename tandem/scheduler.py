@@ -1,0 +1,177 @@
+"""Continuous batching for a model service: one engine step serves every request that is waiting.
+
+gRPC handlers do not call the engine themselves. They submit work here and await it:
+- `batched(kind, fn, items)`: calls of one kind (Verify on the target, Propose on the draft) that arrive while the
+  engine is busy are merged, and the next step runs them all in one `fn(groups)` call, i.e. one multi-sequence
+  llama_decode. Requests join and leave between steps, so a stream never waits for another to finish.
+- `job(fn)`: everything else, in arrival order. A job may be a generator: each `next()` is one step, and pending
+  batched calls run between its steps. Long prefills are written that way (chunked prefill), so a 4,000-token prompt
+  does not stall the streams that are already decoding.
+
+Everything runs on the EngineWorker's single thread; futures are resolved on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from tandem.grpc_server import EngineWorker
+
+log = logging.getLogger(__name__)
+S = TypeVar("S")
+R = TypeVar("R")
+
+
+class Defer:
+    """Returned by a batch function for a group that must wait for the next step (its session is already busy)."""
+
+
+DEFER = Defer()
+GroupOutcome = list[Any] | BaseException | Defer
+BatchFn = Callable[[list[Sequence[Any]]], list[GroupOutcome]]
+
+
+@dataclass
+class _Submission(Generic[S]):
+    items: Sequence[S]
+    future: asyncio.Future
+
+
+@dataclass
+class _Job:
+    fn: Callable[[], Any]
+    future: asyncio.Future
+    steps: Generator[None, None, Any] | None = None
+
+
+@dataclass
+class _Kind:
+    fn: BatchFn
+    pending: deque[_Submission] = field(default_factory=deque)
+
+
+class StepScheduler:
+    """Merges concurrent calls into engine steps; see the module docstring."""
+
+    def __init__(
+        self,
+        worker: EngineWorker,
+        before_step: Callable[[], None] | None = None,
+        max_groups: int = 64,
+    ) -> None:
+        self.worker = worker
+        self.before_step = before_step
+        self.max_groups = max_groups
+        self._kinds: dict[str, _Kind] = {}
+        self._jobs: deque[_Job] = deque()
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        #: Groups per batched step, for metrics and tests (how much batching happened).
+        self.steps = 0
+        self.batched_groups = 0
+        self.max_groups_seen = 0
+
+    def register(self, kind: str, fn: BatchFn) -> None:
+        self._kinds[kind] = _Kind(fn)
+
+    def _ensure_running(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        self._wake.set()
+
+    async def batched(self, kind: str, items: Sequence[Any]) -> list[Any]:
+        """Results for `items` (one call's group), computed in the next step together with other calls' groups."""
+        future = asyncio.get_running_loop().create_future()
+        self._kinds[kind].pending.append(_Submission(items, future))
+        self._ensure_running()
+        return await future
+
+    async def job(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the engine thread in order; if it returns a generator, run it one step at a time."""
+        future = asyncio.get_running_loop().create_future()
+        self._jobs.append(_Job(fn, future))
+        self._ensure_running()
+        return await future
+
+    def _has_work(self) -> bool:
+        return bool(self._jobs) or any(k.pending for k in self._kinds.values())
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._has_work():
+                try:
+                    for kind in self._kinds.values():
+                        if kind.pending:
+                            await self._batch_step(kind)
+                    if self._jobs:
+                        await self._job_step(self._jobs[0])
+                except Exception:  # a bug here must not stop the service from serving
+                    log.exception("scheduler step failed")
+
+    async def _batch_step(self, kind: _Kind) -> None:
+        taken: list[_Submission] = []
+        while kind.pending and len(taken) < self.max_groups:
+            sub = kind.pending.popleft()
+            if not sub.future.done():  # cancelled calls are dropped before they cost anything
+                taken.append(sub)
+        if not taken:
+            return
+        groups = [sub.items for sub in taken]
+
+        def step() -> list[GroupOutcome]:
+            if self.before_step is not None:
+                self.before_step()
+            return kind.fn(groups)
+
+        try:
+            outcomes = await self.worker.run(step)
+        except Exception as exc:
+            outcomes = [exc] * len(taken)
+        self.steps += 1
+        self.batched_groups += len(taken)
+        self.max_groups_seen = max(self.max_groups_seen, len(taken))
+        deferred = []
+        for sub, outcome in zip(taken, outcomes, strict=True):
+            if outcome is DEFER:
+                deferred.append(sub)
+            elif sub.future.done():
+                continue
+            elif isinstance(outcome, BaseException):
+                sub.future.set_exception(outcome)
+            else:
+                sub.future.set_result(outcome)
+        kind.pending.extendleft(reversed(deferred))
+
+    async def _job_step(self, job: _Job) -> None:
+        def step() -> tuple[bool, Any]:
+            if self.before_step is not None:
+                self.before_step()
+            if job.steps is None:
+                result = job.fn()
+                if not isinstance(result, Generator):
+                    return True, result
+                job.steps = result
+            try:
+                next(job.steps)
+            except StopIteration as stop:
+                return True, stop.value
+            return False, None
+
+        try:
+            done, value = await self.worker.run(step)
+        except Exception as exc:
+            self._jobs.popleft()
+            if not job.future.done():
+                job.future.set_exception(exc)
+            return
+        if done:
+            self._jobs.popleft()
+            if not job.future.done():
+                job.future.set_result(value)

@@ -1,0 +1,148 @@
+"""The step scheduler (continuous batching, chunked jobs) on a real engine thread, with plain functions as work."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from tandem.errors import InvalidArgument
+from tandem.grpc_server import EngineWorker
+from tandem.scheduler import DEFER, StepScheduler
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_calls_waiting_for_the_engine_run_as_one_step() -> None:
+    steps: list[list[list[int]]] = []
+
+    def verify(groups):
+        steps.append([list(g) for g in groups])
+        return [[x * 10 for x in g] for g in groups]
+
+    async def main():
+        scheduler = StepScheduler(EngineWorker())
+        scheduler.register("verify", verify)
+        gate = threading.Event()
+        blocker = asyncio.create_task(scheduler.job(gate.wait))  # the engine is busy ...
+        await asyncio.sleep(0.05)
+        calls = [asyncio.create_task(scheduler.batched("verify", [i, i + 100])) for i in range(5)]
+        await asyncio.sleep(0.05)
+        gate.set()  # ... and when it is free, all five waiting calls go in one step
+        results = await asyncio.gather(*calls)
+        await blocker
+        return scheduler, results
+
+    scheduler, results = run(main())
+    assert results == [[i * 10, (i + 100) * 10] for i in range(5)]
+    assert len(steps) == 1 and len(steps[0]) == 5
+    assert scheduler.max_groups_seen == 5 and scheduler.batched_groups == 5
+
+
+def test_max_groups_one_turns_batching_off() -> None:
+    sizes = []
+
+    def verify(groups):
+        sizes.append(len(groups))
+        return [list(g) for g in groups]
+
+    async def main():
+        scheduler = StepScheduler(EngineWorker(), max_groups=1)
+        scheduler.register("verify", verify)
+        await asyncio.gather(*(scheduler.batched("verify", [i]) for i in range(4)))
+
+    run(main())
+    assert sizes == [1, 1, 1, 1]
+
+
+def test_a_failing_call_fails_alone_and_a_deferred_one_runs_next_step() -> None:
+    seen = []
+
+    def verify(groups):
+        seen.append([g[0] for g in groups])
+        out = []
+        for g in groups:
+            if g[0] == "bad":
+                out.append(InvalidArgument("bad input"))
+            elif g[0] == "busy" and len(seen) == 1:
+                out.append(DEFER)
+            else:
+                out.append(["ok"])
+        return out
+
+    async def main():
+        scheduler = StepScheduler(EngineWorker())
+        scheduler.register("verify", verify)
+        gate = threading.Event()
+        blocker = asyncio.create_task(scheduler.job(gate.wait))
+        await asyncio.sleep(0.05)
+        good = asyncio.create_task(scheduler.batched("verify", ["good"]))
+        bad = asyncio.create_task(scheduler.batched("verify", ["bad"]))
+        busy = asyncio.create_task(scheduler.batched("verify", ["busy"]))
+        await asyncio.sleep(0.05)
+        gate.set()
+        await blocker
+        assert await good == ["ok"]
+        with pytest.raises(InvalidArgument):
+            await bad
+        assert await busy == ["ok"]
+
+    run(main())
+    assert seen == [["good", "bad", "busy"], ["busy"]]
+
+
+def test_chunked_job_lets_waiting_calls_run_between_its_steps() -> None:
+    order: list[str] = []
+
+    def prefill():
+        for chunk in range(3):
+            order.append(f"chunk {chunk}")
+            yield
+        order.append("chunk 3")
+        return "prefilled"
+
+    def verify(groups):
+        order.append(f"verify x{len(groups)}")
+        return [["v"] for _ in groups]
+
+    async def main():
+        scheduler = StepScheduler(EngineWorker())
+        scheduler.register("verify", verify)
+        job = asyncio.create_task(scheduler.job(prefill))
+        await asyncio.sleep(0)
+        results = []
+        for _ in range(3):  # a running stream keeps verifying while the long prompt is prefilled
+            results.append(await scheduler.batched("verify", ["s"]))
+        return await job, results
+
+    value, results = run(main())
+    assert value == "prefilled" and results == [["v"]] * 3
+    assert order.index("verify x1") < order.index("chunk 3")  # a verify step ran before the prefill finished
+
+
+def test_cancelled_calls_cost_nothing() -> None:
+    calls = []
+
+    def verify(groups):
+        calls.extend(g[0] for g in groups)
+        return [["ok"] for _ in groups]
+
+    async def main():
+        scheduler = StepScheduler(EngineWorker())
+        scheduler.register("verify", verify)
+        gate = threading.Event()
+        blocker = asyncio.create_task(scheduler.job(gate.wait))
+        await asyncio.sleep(0.05)
+        gone = asyncio.create_task(scheduler.batched("verify", ["gone"]))
+        kept = asyncio.create_task(scheduler.batched("verify", ["kept"]))
+        await asyncio.sleep(0.05)
+        gone.cancel()
+        gate.set()
+        await blocker
+        assert await kept == ["ok"]
+
+    run(main())
+    assert calls == ["kept"]
