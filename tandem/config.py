@@ -33,9 +33,22 @@ class EngineSettings(BaseSettings):
     )
     n_threads: int = Field(0, ge=0, description="CPU threads for decoding (0 = all cores)")
     n_threads_batch: int = Field(0, ge=0, description="CPU threads for prefill/verify batches (0 = n_threads)")
-    n_ctx: int = Field(8192, ge=64, description="KV cells of the whole context, split evenly between the sessions")
+    n_ctx: int = Field(
+        32768, ge=64, description="KV cells of the whole context, split evenly between the session slots"
+    )
     n_batch: int = Field(512, ge=16, description="largest batch given to one llama_decode call")
-    max_sessions: int = Field(4, ge=1, le=256, description="sessions (KV sequences) served at once")
+    max_sessions: int = Field(
+        16,
+        ge=1,
+        le=256,
+        description="session slots (KV sequences): live sessions at once; free slots keep finished sessions' KV"
+        " for prefix reuse",
+    )
+    prefix_cache: bool = Field(
+        True,
+        description="keep a finished session's KV cells in its slot and reuse the longest shared prefix of a later"
+        " prompt (multi-turn chat, agents re-sending a system prompt); least recently used slots are reused first",
+    )
     cache_type_k: KvCacheType = Field("f16", description="KV cache type for keys (q8_0 halves the memory)")
     cache_type_v: KvCacheType = Field("f16", description="KV cache type for values (quantised V needs flash attention)")
     flash_attn: Literal["auto", "on", "off"] = Field("off", description="flash attention")
@@ -83,6 +96,9 @@ class ServiceSettings(EngineSettings):
     )
     auth_token: str | None = Field(
         None, description="shared token: every call but health checks must send 'authorization: Bearer <token>'"
+    )
+    max_batch: int = Field(
+        64, ge=1, le=1024, description="calls merged into one engine step (continuous batching; 1 = one at a time)"
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -135,6 +151,17 @@ class GatewaySettings(BaseSettings):
     model_name: str | None = Field(None, description="model id served on /v1/models (default: the target's name)")
     n_max: int = Field(8, ge=0, le=64, description="default draft tokens per round (0 = no speculation)")
     n_min: int = Field(0, ge=0, le=64, description="drafts shorter than this are not verified")
+    overlap_draft: bool = Field(
+        True,
+        description="model drafters: while the target verifies a round, the draft already drafts the next one as if"
+        " every token will be accepted (kept when that holds, rewound when not); hides draft time when the draft"
+        " runs on another device",
+    )
+    adaptive_k: bool = Field(
+        True,
+        description="choose each round's draft length in n_min..n_max from the measured cost of verification and"
+        " the request's running acceptance (fewer draft tokens when many requests share a step)",
+    )
     max_tokens_default: int = Field(512, ge=1, description="max_tokens when the request gives none")
     rpc_timeout_s: float = Field(30.0, gt=0, description="deadline of each gRPC call")
     startup_timeout_s: float = Field(600.0, gt=0, description="how long to wait for the services at start")

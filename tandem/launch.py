@@ -73,8 +73,13 @@ def start_model_service(
     wait_ready: bool = True,
     timeout: float = 300,
     env: dict[str, str] | None = None,
+    cpus: set[int] | None = None,
 ) -> Process:
-    """Start `python -m module --host 127.0.0.1 --port 0 ...` and return once it is ready (or just listening)."""
+    """Start `python -m module --host 127.0.0.1 --port 0 ...` and return once it is ready (or just listening).
+
+    `cpus` pins the process (and every thread it starts) to those cores, e.g. to give a draft and a target a core
+    each, as two devices would.
+    """
     name = module.rsplit(".", 1)[-1]
     log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
     with open(log_path, "wb") as log:
@@ -84,6 +89,7 @@ def start_model_service(
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
     try:
         match = wait_for_line(log_path, LISTEN, proc, 60)

@@ -292,8 +292,10 @@ def test_draft_rollback_forgets_tokens(draft_channel: grpc.Channel) -> None:
     draft.Close(pb.CloseRequest(session_ids=[sid]))
 
 
-def test_verify_stream_answers_in_order_with_in_band_errors(target_channel: grpc.Channel) -> None:
-    """VerifyStream carries many calls; a failed call is an `error` status and the stream keeps serving."""
+def test_verify_stream_answers_by_request_id_with_in_band_errors(target_channel: grpc.Channel) -> None:
+    """VerifyStream carries many calls, served concurrently (so they can share engine steps) and matched by
+    request_id; a failed call is an `error` status and the stream keeps serving. Two pipelined calls for one
+    session still apply in order: the second waits for the next step."""
     stub = pb_grpc.TargetStub(target_channel)
     prompt = _prompt(stub)
     sid = _sid()
@@ -306,8 +308,9 @@ def test_verify_stream_answers_in_order_with_in_band_errors(target_channel: grpc
         pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=first.position + 5)], request_id=13),
         pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=first.position + 1)], request_id=14),
     ]
-    replies = list(stub.VerifyStream(iter(requests)))
-    assert [r.request_id for r in replies] == [11, 12, 13, 14]
+    by_id = {r.request_id: r for r in stub.VerifyStream(iter(requests))}
+    assert sorted(by_id) == [11, 12, 13, 14]
+    replies = [by_id[i] for i in (11, 12, 13, 14)]
     assert not replies[0].HasField("error") and replies[0].results[0].position == first.position + 1
     assert replies[1].error.code == grpc.StatusCode.NOT_FOUND.value[0]
     assert replies[2].error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]

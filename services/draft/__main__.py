@@ -17,34 +17,32 @@ async def _serve(settings: DraftSettings) -> None:
 
     async def load() -> None:
         drafter: Drafter
-        n_vocab = n_ctx = None
+        engine = n_vocab = n_ctx = None
         if settings.drafter == "model":
             from tandem.engine import Engine
 
             engine = await worker.run(Engine, settings)
-            servicer.engine = engine
             drafter = ModelDrafter(engine, settings.draft_support)
             n_vocab, n_ctx = engine.n_vocab, engine.n_ctx
         else:
             drafter = NgramDrafter(settings.ngram_min, settings.ngram_max)
-        servicer.service = DraftService(drafter, settings.max_sessions, settings.session_idle_timeout_s, n_vocab, n_ctx)
-
-    async def expire() -> None:
-        if servicer.service is not None:
-            await worker.run(servicer.service.expire_idle)
+        service = DraftService(
+            drafter, settings.max_sessions, settings.session_idle_timeout_s, n_vocab, n_ctx, settings.prefix_cache
+        )
+        servicer.attach(service, engine, settings.max_batch)
 
     await serve_service(
         settings,
         service_name="tandem.v1.Draft",
         register=lambda server: pb_grpc.add_DraftServicer_to_server(servicer, server),
         load=load,
-        periodic=expire,
+        periodic=servicer.expire_idle,
     )
     worker.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tandem.grpc_server import service_main
+    from tandem.cli import service_main
 
     service_main(DraftSettings, "tandem-draft", _serve, argv)
 

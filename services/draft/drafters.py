@@ -12,7 +12,7 @@ from a truncated copy of its warped distribution and sends that distribution, so
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,13 +36,22 @@ class Drafter(ABC):
 
     name: str
 
+    def open_steps(self, sessions: Sequence[Session]) -> Generator[None, None, None]:
+        """Prepare new sessions (prefill, indexes); a generator so long prefills run in chunks between steps."""
+        self.open(sessions)
+        yield from ()
+
     @abstractmethod
     def open(self, sessions: Sequence[Session]) -> None:
-        """Prepare new sessions (prefill, indexes)."""
+        """Prepare new sessions (prefill, indexes) in one go."""
 
     @abstractmethod
     def propose(self, session: Session, max_tokens: int) -> Draft:
         """Propose up to max_tokens tokens continuing session.tokens."""
+
+    def propose_many(self, work: Sequence[tuple[Session, int]]) -> list[Draft]:
+        """Proposals for many sessions at once (one engine step); drafters with a model batch them."""
+        return [self.propose(session, n) if n > 0 else Draft([], None) for session, n in work]
 
     def appended(self, session: Session, start: int) -> None:  # noqa: B027 - optional hook
         """session.tokens[start:] were just committed."""
@@ -50,8 +59,8 @@ class Drafter(ABC):
     def truncated(self, session: Session) -> None:  # noqa: B027 - optional hook
         """session.tokens was shortened (rollback)."""
 
-    def close(self, session: Session) -> None:  # noqa: B027 - optional hook
-        """Free what the session holds."""
+    def close(self, session: Session, keep_cache: bool = False) -> None:  # noqa: B027 - optional hook
+        """Free what the session holds (keep_cache: leave its KV cells for a later prompt with the same prefix)."""
 
 
 class NgramIndex:
@@ -110,7 +119,10 @@ class NgramDrafter(Drafter):
 
 
 class ModelDrafter(Drafter):
-    """A small model proposing autoregressively; its KV holds the committed tokens plus its last proposal."""
+    """A small model proposing autoregressively; its KV holds the committed tokens plus its last proposal.
+
+    Proposals for all sessions of a step run together: each drafting step is one multi-sequence llama_decode.
+    """
 
     name = "model"
 
@@ -119,53 +131,96 @@ class ModelDrafter(Drafter):
         self.support = support
 
     def open(self, sessions: Sequence[Session]) -> None:
-        items = [DecodeItem(s.seq_id, s.tokens, 0, "none") for s in sessions]
-        if items:
-            self.engine.decode(items)
+        for _ in self.open_steps(sessions):
+            pass
+
+    def open_steps(self, sessions: Sequence[Session]) -> Generator[None, None, None]:
+        items = []
+        for s in sessions:
+            kept = len(s.kv_tokens)  # a prefix reused from a finished session's slot (prefix cache)
+            self.engine.truncate(s.seq_id, kept)
+            if kept < len(s.tokens):
+                items.append(DecodeItem(s.seq_id, s.tokens[kept:], kept, "none"))
+        yield from self.engine.prefill_steps(items)
         for s in sessions:
             s.kv_tokens = list(s.tokens)
 
-    def _catch_up(self, session: Session) -> np.ndarray:
-        """Bring the KV cache to the committed sequence, reusing accepted proposals; return the last logits row."""
-        kept = session.kv_catch_up(session.tokens)
-        if kept == len(session.tokens):
-            kept -= 1  # the last token's logits are needed again: recompute that one cell
-            del session.kv_tokens[kept:]
-        self.engine.truncate(session.seq_id, kept)
-        missing = session.tokens[kept:]
-        if len(missing) <= SINGLE_STEP_CATCH_UP:
-            # One token per pass, like the draft's own proposals and like target-only decoding: the draft's KV then
-            # matches one-token numerics exactly, so a same-model draft agrees with the target bit for bit.
-            for i, token in enumerate(missing):
-                (rows,) = self.engine.decode([DecodeItem(session.seq_id, [token], kept + i, "last")])
-        else:
-            (rows,) = self.engine.decode([DecodeItem(session.seq_id, missing, kept, "last")])
-        session.kv_tokens.extend(missing)
-        return rows[-1]
+    def _catch_up(self, sessions: Sequence[Session]) -> list[np.ndarray]:
+        """Bring each KV cache to its committed sequence, reusing accepted proposals; return each last logits row.
+
+        A short catch-up goes one token per pass, like the draft's own proposals and like target-only decoding: the
+        draft's KV then matches one-token numerics exactly, so a same-model draft agrees with the target bit for bit.
+        """
+        missing: list[list[int]] = []
+        starts: list[int] = []
+        for session in sessions:
+            kept = session.kv_catch_up(session.tokens)
+            if kept == len(session.tokens):
+                kept -= 1  # the last token's logits are needed again: recompute that one cell
+                del session.kv_tokens[kept:]
+            self.engine.truncate(session.seq_id, kept)
+            missing.append(session.tokens[kept:])
+            starts.append(kept)
+        last: list[np.ndarray | None] = [None] * len(sessions)
+        # Pass 0 takes long catch-ups whole; short ones advance one token per pass.
+        step = 0
+        while True:
+            items, owners = [], []
+            for i, (session, todo, start) in enumerate(zip(sessions, missing, starts, strict=True)):
+                if len(todo) > SINGLE_STEP_CATCH_UP:
+                    if step == 0:
+                        items.append(DecodeItem(session.seq_id, todo, start, "last"))
+                        owners.append(i)
+                elif step < len(todo):
+                    items.append(DecodeItem(session.seq_id, [todo[step]], start + step, "last"))
+                    owners.append(i)
+            if not items:
+                break
+            for i, rows in zip(owners, self.engine.decode(items), strict=True):
+                last[i] = rows[-1]
+            step += 1
+        for session, todo in zip(sessions, missing, strict=True):
+            session.kv_tokens.extend(todo)
+        return [row for row in last if row is not None]
 
     def propose(self, session: Session, max_tokens: int) -> Draft:
-        row = self._catch_up(session)
-        params = session.sampling
-        tokens: list[int] = []
-        dists: list[SparseDist] = []
-        for i in range(max_tokens):
-            if params.greedy:
-                token = int(np.argmax(row))
-            else:
-                q = sampling.truncate(sampling.warp(row, params), self.support)
-                token = sampling.sample(q, session.rng)
-                dists.append(q)
-            tokens.append(token)
-            if self.engine.is_eog(token) or i == max_tokens - 1:
-                break
-            (rows,) = self.engine.decode([DecodeItem(session.seq_id, [token], len(session.kv_tokens), "last")])
-            session.kv_tokens.append(token)
-            row = rows[-1]
-        return Draft(tokens, None if params.greedy else dists)
+        return self.propose_many([(session, max_tokens)])[0]
+
+    def propose_many(self, work: Sequence[tuple[Session, int]]) -> list[Draft]:
+        work = [(s, n) for s, n in work]
+        active = [i for i, (_, n) in enumerate(work) if n > 0]
+        rows = dict(zip(active, self._catch_up([work[i][0] for i in active]), strict=True))
+        tokens: list[list[int]] = [[] for _ in work]
+        dists: list[list[SparseDist]] = [[] for _ in work]
+        while active:
+            items, still = [], []
+            for i in active:
+                session, max_tokens = work[i]
+                params = session.sampling
+                if params.greedy:
+                    token = int(np.argmax(rows[i]))
+                else:
+                    q = sampling.truncate(sampling.warp(rows[i], params), self.support)
+                    token = sampling.sample(q, session.rng)
+                    dists[i].append(q)
+                tokens[i].append(token)
+                if self.engine.is_eog(token) or len(tokens[i]) >= max_tokens or session.closed:
+                    continue
+                items.append(DecodeItem(session.seq_id, [token], len(session.kv_tokens), "last"))
+                session.kv_tokens.append(token)
+                still.append(i)
+            if items:
+                for i, r in zip(still, self.engine.decode(items), strict=True):
+                    rows[i] = r[-1]
+            active = still
+        return [Draft(tokens[i], None if session.sampling.greedy else dists[i]) for i, (session, _) in enumerate(work)]
 
     def truncated(self, session: Session) -> None:
         kept = session.kv_catch_up(session.tokens)
         self.engine.truncate(session.seq_id, kept)
 
-    def close(self, session: Session) -> None:
-        self.engine.clear(session.seq_id)
+    def close(self, session: Session, keep_cache: bool = False) -> None:
+        if keep_cache:  # the slot keeps exactly the cells of session.kv_tokens, for prefix reuse
+            self.engine.truncate(session.seq_id, len(session.kv_tokens))
+        else:
+            self.engine.clear(session.seq_id)

@@ -6,13 +6,15 @@ the target committed since. A stale position is FAILED_PRECONDITION; an exact re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from services.draft.drafters import Draft, Drafter
-from tandem.errors import InvalidArgument
+from services.draft.drafters import Draft, Drafter, ModelDrafter
+from tandem.errors import InvalidArgument, SessionNotFound, TandemError
 from tandem.sampling import SamplingParams
-from tandem.sessions import SessionStore, make_rng
+from tandem.scheduler import DEFER, Defer
+from tandem.sessions import Session, SessionStore, make_rng
 
 DRAFT_RNG_SALT = 1  # the draft's random stream must differ from the target's for the same seed
 
@@ -23,6 +25,7 @@ class ProposeSpec:
     position: int
     append: Sequence[int]
     max_tokens: int
+    rewind: bool = False  # position may be behind the session: drop the tentative tokens past it first
 
 
 @dataclass(frozen=True)
@@ -34,12 +37,19 @@ class ProposeResult:
 
 class DraftService:
     def __init__(
-        self, drafter: Drafter, max_sessions: int, idle_timeout_s: float, n_vocab: int | None, n_ctx: int | None
+        self,
+        drafter: Drafter,
+        max_sessions: int,
+        idle_timeout_s: float,
+        n_vocab: int | None,
+        n_ctx: int | None,
+        prefix_cache: bool = True,
     ) -> None:
         self.drafter = drafter
         self.store = SessionStore(max_sessions, idle_timeout_s)
         self.n_vocab = n_vocab
         self.n_ctx = n_ctx
+        self.prefix_cache = prefix_cache and isinstance(drafter, ModelDrafter)
 
     def _check_tokens(self, tokens: Sequence[int]) -> None:
         if self.n_vocab is None:
@@ -51,6 +61,16 @@ class DraftService:
                 raise InvalidArgument(f"token id {t} is outside the vocabulary (0..{self.n_vocab - 1})")
 
     def open(self, items: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> list[tuple[str, int]]:
+        steps = self.open_steps(items)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
+
+    def open_steps(
+        self, items: Sequence[tuple[str, Sequence[int], SamplingParams]]
+    ) -> Generator[None, None, list[tuple[str, int]]]:
         fresh = []
         answered: dict[str, int] = {}
         for sid, prompt, _ in items:
@@ -64,50 +84,97 @@ class DraftService:
             for sid, prompt, params in items:
                 if sid not in answered:
                     fresh.append(self.store.create(sid, prompt, params, make_rng(params.seed, DRAFT_RNG_SALT), -1))
-            self.drafter.open(fresh)
-        except Exception:
+            for _ in self.drafter.open_steps(fresh):
+                yield
+                if any(s.closed for s in fresh):
+                    raise SessionNotFound("a session was closed while its prompt was being prefilled")
+        except BaseException:
             for s in fresh:
-                self.drafter.close(s)
                 self.store.close(s.session_id)
+            self.reclaim()
             raise
         return [(sid, self.store.get(sid).position) for sid, _, _ in items]
 
-    def propose(self, specs: Sequence[ProposeSpec]) -> list[ProposeResult]:
-        out: dict[str, ProposeResult] = {}
-        work = []
-        for spec in specs:
-            session = self.store.get(spec.session_id)
-            key = ("propose", spec.position, tuple(spec.append), spec.max_tokens)
-            hit = session.expect_position(spec.position, key)
-            if hit is not None:
-                out[spec.session_id] = hit
+    def propose_groups(self, groups: Sequence[Sequence[ProposeSpec]]) -> list[Any]:
+        """Proposals for many calls in one engine step; each call is validated whole and fails alone."""
+        outcomes: list[Any] = []
+        work: list[tuple[int, Session, ProposeSpec, tuple]] = []
+        busy: set[str] = set()
+        for specs in groups:
+            try:
+                checked = self._check_group(specs)
+            except TandemError as exc:
+                outcomes.append(exc)
                 continue
-            self._check_tokens(spec.append)
-            work.append((session, spec, key))
-        for session, spec, key in work:
+            if any(spec.session_id in busy for _, _, spec, _ in checked):
+                outcomes.append(DEFER)
+                continue
+            outcomes.append({spec.session_id: hit for hit, _, spec, _ in checked if hit is not None})
+            for hit, session, spec, key in checked:
+                if hit is None:
+                    busy.add(spec.session_id)
+                    work.append((len(outcomes) - 1, session, spec, key))
+        asks = []
+        for _, session, spec, _ in work:
+            if spec.rewind and spec.position < session.position:
+                self.store.rollback([(spec.session_id, spec.position)])
+                self.drafter.truncated(session)
             start = session.position
             session.tokens.extend(spec.append)
             if spec.append:
                 self.drafter.appended(session, start)
             room = spec.max_tokens if self.n_ctx is None else min(spec.max_tokens, self.n_ctx - session.position - 1)
-            draft = self.drafter.propose(session, max(room, 0)) if room > 0 else Draft([], None)
+            asks.append((session, max(room, 0)))
+        drafts = self.drafter.propose_many(asks)
+        for (g, session, spec, key), draft in zip(work, drafts, strict=True):
             result = ProposeResult(spec.session_id, session.position, draft)
             session.last_call = (key, result)
-            out[spec.session_id] = result
-        return [out[spec.session_id] for spec in specs]
+            outcomes[g][spec.session_id] = result
+        return [
+            o if isinstance(o, BaseException | Defer) else [o[spec.session_id] for spec in specs]
+            for o, specs in zip(outcomes, groups, strict=True)
+        ]
+
+    def _check_group(
+        self, specs: Sequence[ProposeSpec]
+    ) -> list[tuple[ProposeResult | None, Session, ProposeSpec, tuple]]:
+        checked = []
+        for spec in specs:
+            session = self.store.get(spec.session_id)
+            key = ("propose", spec.position, tuple(spec.append), spec.max_tokens, spec.rewind)
+            if spec.rewind and len(session.prompt) <= spec.position < session.position:
+                hit = session.last_call[1] if session.last_call and session.last_call[0] == key else None
+            else:
+                hit = session.expect_position(spec.position, key)
+            if hit is None:
+                self._check_tokens(spec.append)
+            checked.append((hit, session, spec, key))
+        if len({spec.session_id for spec in specs}) != len(specs):
+            raise InvalidArgument("a session appears twice in one Propose call")
+        return checked
+
+    def propose(self, specs: Sequence[ProposeSpec]) -> list[ProposeResult]:
+        """One call's proposals on their own (tests and tools); the service batches calls with propose_groups."""
+        (outcome,) = self.propose_groups([specs])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     def rollback(self, items: Sequence[tuple[str, int]]) -> None:
         for session in self.store.rollback(items):
             self.drafter.truncated(session)
 
     def close(self, session_ids: Sequence[str]) -> int:
-        closed = 0
-        for sid in session_ids:
-            session = self.store.close(sid)
-            if session is not None:
-                self.drafter.close(session)
-                closed += 1
-        return closed
+        """Drop sessions at once (any thread); the engine thread reclaims their slots before its next step."""
+        return sum(self.store.close(sid) is not None for sid in session_ids)
+
+    def reclaim(self) -> None:
+        """Engine thread: free closed sessions' slots (keeping a model drafter's KV for prefix reuse)."""
+        for session in self.store.take_closed():
+            self.drafter.close(session, keep_cache=self.prefix_cache)
+            self.store.release(session, keep_cache=self.prefix_cache)
 
     def expire_idle(self) -> int:
-        return self.close(self.store.idle())
+        closed = self.close(self.store.idle())
+        self.reclaim()
+        return closed

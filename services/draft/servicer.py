@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
 
 from services.draft.service import DraftService, ProposeSpec
 from tandem import __version__
-from tandem.convert import dist_to_pb, info_pb, sampling_from_pb
+from tandem.convert import dist_to_pb, info_pb, sampling_from_pb, serving_stats
 from tandem.engine import Engine
 from tandem.grpc_server import EngineWorker, ServiceLoading, stream_replies
+from tandem.scheduler import StepScheduler
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -20,9 +22,23 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.worker = worker
         self.service: DraftService | None = None
         self.engine: Engine | None = None  # None for the model-free n-gram drafter
+        self.scheduler: StepScheduler | None = None
+        self._background: set[asyncio.Task] = set()
+
+    def attach(self, service: DraftService, engine: Engine | None, max_batch: int = 64) -> None:
+        """Start serving: proposals of all sessions waiting at a step run in one batch."""
+        scheduler = StepScheduler(self.worker, before_step=service.reclaim, max_groups=max_batch)
+        scheduler.register("propose", service.propose_groups)
+        self.engine = engine
+        self.scheduler = scheduler
+        self.service = service
+
+    async def expire_idle(self) -> None:
+        if self.service is not None and self.scheduler is not None:
+            await self.scheduler.job(self.service.expire_idle)
 
     def _ready(self) -> DraftService:
-        if self.service is None:
+        if self.service is None or self.scheduler is None:
             raise ServiceLoading("the draft model is still loading")
         return self.service
 
@@ -35,38 +51,37 @@ class DraftServicer(pb_grpc.DraftServicer):
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         service = self._ready()
         if self.engine is not None:
-            return info_pb(
-                self.engine,
+            msg = info_pb(self.engine, drafter=service.drafter.name)
+        else:
+            msg = pb.InfoResponse(
+                model_name="ngram",
+                architecture="prompt-lookup",
+                backend="CPU",
+                device="CPU (model-free)",
+                version=f"tandem {__version__}",
+                max_sessions=service.store.max_sessions,
                 drafter=service.drafter.name,
-                active_sessions=len(service.store),
-                kv_tokens=service.store.kv_tokens,
             )
-        return pb.InfoResponse(
-            model_name="ngram",
-            architecture="prompt-lookup",
-            backend="CPU",
-            device="CPU (model-free)",
-            version=f"tandem {__version__}",
-            max_sessions=service.store.max_sessions,
-            drafter=service.drafter.name,
-            active_sessions=len(service.store),
-        )
+        return serving_stats(msg, service.store, self.scheduler)
 
     async def Open(self, request: pb.OpenRequest, context: grpc.aio.ServicerContext) -> pb.OpenResponse:
         service = self._ready()
         t0, f0 = time.perf_counter_ns(), self._forward_ns()
         items = [(i.session_id, list(i.prompt_token_ids), sampling_from_pb(i.sampling)) for i in request.items]
-        opened = await self.worker.run(service.open, items)
+        opened = await self.scheduler.job(lambda: service.open_steps(items))
         return pb.OpenResponse(
             results=[pb.OpenResult(session_id=sid, position=pos) for sid, pos in opened],
             timing=self._timing(t0, f0),
         )
 
     async def Propose(self, request: pb.ProposeRequest, context: grpc.aio.ServicerContext) -> pb.ProposeResponse:
-        service = self._ready()
+        self._ready()
         t0, f0 = time.perf_counter_ns(), self._forward_ns()
-        specs = [ProposeSpec(i.session_id, i.position, list(i.append_token_ids), i.max_tokens) for i in request.items]
-        results = await self.worker.run(service.propose, specs)
+        specs = [
+            ProposeSpec(i.session_id, i.position, list(i.append_token_ids), i.max_tokens, i.rewind)
+            for i in request.items
+        ]
+        results = await self.scheduler.batched("propose", specs)
         return pb.ProposeResponse(
             proposals=[
                 pb.Proposal(
@@ -89,9 +104,15 @@ class DraftServicer(pb_grpc.DraftServicer):
     async def Rollback(self, request: pb.RollbackRequest, context: grpc.aio.ServicerContext) -> pb.RollbackResponse:
         service = self._ready()
         t0, f0 = time.perf_counter_ns(), self._forward_ns()
-        await self.worker.run(service.rollback, [(i.session_id, i.position) for i in request.items])
+        items = [(i.session_id, i.position) for i in request.items]
+        await self.scheduler.job(lambda: service.rollback(items))
         return pb.RollbackResponse(timing=self._timing(t0, f0))
 
     async def Close(self, request: pb.CloseRequest, context: grpc.aio.ServicerContext) -> pb.CloseResponse:
         service = self._ready()
-        return pb.CloseResponse(closed=await self.worker.run(service.close, list(request.session_ids)))
+        closed = service.close(list(request.session_ids))  # at once: never waits behind queued engine work
+        if closed:  # the slots are reclaimed before the engine's next step
+            task = asyncio.create_task(self.scheduler.job(lambda: None))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return pb.CloseResponse(closed=closed)

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from tandem.config import TargetSettings
 
-
-async def _serve(settings: TargetSettings) -> None:
-    from services.target.servicer import TargetServicer
+if TYPE_CHECKING:
     from services.target.verifier import Verifier
+
+
+async def serve_target(settings: TargetSettings, configure: Callable[[Verifier], None] | None = None) -> None:
+    """Run the target service; `configure` may adjust the Verifier once the model is loaded (benchmarks)."""
+    from services.target.servicer import TargetServicer
     from tandem.engine import Engine
     from tandem.grpc_server import EngineWorker, serve_service
     from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -17,26 +23,27 @@ async def _serve(settings: TargetSettings) -> None:
 
     async def load() -> None:
         engine = await worker.run(Engine, settings)
-        servicer.verifier = Verifier(engine, settings.session_idle_timeout_s, settings.verify_mode)
+        from services.target.verifier import Verifier
 
-    async def expire() -> None:
-        if servicer.verifier is not None:
-            await worker.run(servicer.verifier.expire_idle)
+        verifier = Verifier(engine, settings.session_idle_timeout_s, settings.verify_mode, settings.prefix_cache)
+        if configure is not None:
+            configure(verifier)
+        servicer.attach(verifier, settings.max_batch)
 
     await serve_service(
         settings,
         service_name="tandem.v1.Target",
         register=lambda server: pb_grpc.add_TargetServicer_to_server(servicer, server),
         load=load,
-        periodic=expire,
+        periodic=servicer.expire_idle,
     )
     worker.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tandem.grpc_server import service_main
+    from tandem.cli import service_main
 
-    service_main(TargetSettings, "tandem-target", _serve, argv)
+    service_main(TargetSettings, "tandem-target", serve_target, argv)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,20 @@
-"""gRPC servicer for tandem.v1.Target: protobuf in, Verifier call on the engine thread, protobuf out."""
+"""gRPC servicer for tandem.v1.Target: protobuf in, Verifier work through the step scheduler, protobuf out.
+
+Verify calls from all requests are merged into one forward pass per engine step (continuous batching); Open is a
+chunked job, so long prompts interleave with running streams.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
 
 from services.target.verifier import EmittedToken, OpenSpec, Verifier, VerifySpec
-from tandem.convert import dist_from_pb, info_pb, sampling_from_pb
+from tandem.convert import dist_from_pb, info_pb, sampling_from_pb, serving_stats
 from tandem.grpc_server import EngineWorker, ServiceLoading, stream_replies
+from tandem.scheduler import StepScheduler
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -25,23 +31,43 @@ class TargetServicer(pb_grpc.TargetServicer):
     def __init__(self, worker: EngineWorker) -> None:
         self.worker = worker
         self.verifier: Verifier | None = None
+        self.scheduler: StepScheduler | None = None
+        self._background: set[asyncio.Task] = set()
+
+    def attach(self, verifier: Verifier, max_batch: int = 64) -> None:
+        """Start serving with a loaded model."""
+        scheduler = StepScheduler(self.worker, before_step=verifier.reclaim, max_groups=max_batch)
+        scheduler.register("verify", verifier.verify_groups)
+        self.scheduler = scheduler
+        self.verifier = verifier
+
+    async def expire_idle(self) -> None:
+        if self.verifier is not None and self.scheduler is not None:
+            await self.scheduler.job(self.verifier.expire_idle)
 
     def _ready(self) -> Verifier:
-        if self.verifier is None:
+        if self.verifier is None or self.scheduler is None:
             raise ServiceLoading("the target model is still loading")
         return self.verifier
 
-    def _timing(self, t0: int, forward0: int) -> pb.Timing:
+    def _timing(self, t0: int, forward0: int, step=None) -> pb.Timing:
         assert self.verifier is not None
-        return pb.Timing(forward_ns=self.verifier.engine.forward_ns - forward0, total_ns=time.perf_counter_ns() - t0)
+        timing = pb.Timing(forward_ns=self.verifier.engine.forward_ns - forward0, total_ns=time.perf_counter_ns() - t0)
+        if step is not None:
+            timing.step_sequences, timing.step_tokens = step.sequences, step.tokens
+        return timing
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         v = self._ready()
-        return info_pb(v.engine, active_sessions=len(v.store), kv_tokens=v.store.kv_tokens)
+        msg = serving_stats(info_pb(v.engine), v.store, self.scheduler)
+        msg.synthetic_acceptance = v.synthetic_label
+        return msg
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         v = self._ready()
-        ids = await self.worker.run(v.engine.tokenize, request.text, request.add_special, request.parse_special)
+        ids = await self.scheduler.job(
+            lambda: v.engine.tokenize(request.text, request.add_special, request.parse_special)
+        )
         return pb.TokenizeResponse(token_ids=ids)
 
     async def Open(self, request: pb.OpenRequest, context: grpc.aio.ServicerContext) -> pb.OpenResponse:
@@ -56,7 +82,7 @@ class TargetServicer(pb_grpc.TargetServicer):
             )
             for item in request.items
         ]
-        results = await self.worker.run(v.open, specs)
+        results = await self.scheduler.job(lambda: v.open_steps(specs))
         return pb.OpenResponse(
             results=[
                 pb.OpenResult(session_id=r.session_id, position=r.position, first_token=token_to_pb(r.first_token))
@@ -76,10 +102,11 @@ class TargetServicer(pb_grpc.TargetServicer):
                 [dist_from_pb(d, v.engine.n_vocab) for d in item.draft_distributions]
                 if item.draft_distributions
                 else None,
+                item.bonus_guess if item.HasField("bonus_guess") else None,
             )
             for item in request.items
         ]
-        results = await self.worker.run(v.verify, specs)
+        results = await self.scheduler.batched("verify", specs)
         return pb.VerifyResponse(
             results=[
                 pb.VerifyResult(
@@ -90,7 +117,7 @@ class TargetServicer(pb_grpc.TargetServicer):
                 )
                 for r in results
             ],
-            timing=self._timing(t0, f0),
+            timing=self._timing(t0, f0, results[0].step if results else None),
         )
 
     async def VerifyStream(self, requests, context: grpc.aio.ServicerContext):
@@ -102,10 +129,15 @@ class TargetServicer(pb_grpc.TargetServicer):
     async def Rollback(self, request: pb.RollbackRequest, context: grpc.aio.ServicerContext) -> pb.RollbackResponse:
         v = self._ready()
         t0, f0 = time.perf_counter_ns(), v.engine.forward_ns
-        await self.worker.run(v.rollback, [(item.session_id, item.position) for item in request.items])
+        items = [(item.session_id, item.position) for item in request.items]
+        await self.scheduler.job(lambda: v.rollback(items))
         return pb.RollbackResponse(timing=self._timing(t0, f0))
 
     async def Close(self, request: pb.CloseRequest, context: grpc.aio.ServicerContext) -> pb.CloseResponse:
         v = self._ready()
-        closed = await self.worker.run(v.close, list(request.session_ids))
+        closed = v.close(list(request.session_ids))  # at once: never waits behind queued engine work
+        if closed and self.scheduler is not None:  # the KV is reclaimed before the engine's next step
+            task = asyncio.create_task(self.scheduler.job(lambda: None))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         return pb.CloseResponse(closed=closed)

@@ -8,15 +8,18 @@ and rolls the KV cache back past the first rejected draft token.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from tandem import sampling
 from tandem.engine import DecodeItem, Engine
-from tandem.errors import InvalidArgument
+from tandem.errors import InvalidArgument, SessionNotFound, TandemError
 from tandem.sampling import SamplingParams, SparseDist
+from tandem.scheduler import DEFER, Defer
 from tandem.sessions import Session, SessionStore, make_rng
 
 
@@ -50,6 +53,15 @@ class VerifySpec:
     position: int
     draft_tokens: Sequence[int]
     draft_dists: Sequence[SparseDist] | None  # None: deterministic draft (greedy model or n-gram)
+    bonus_guess: int | None = None  # overlapped drafting: the draft's guess for the target's own token
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Sessions and tokens in the forward pass that served a call (several calls share one when batched)."""
+
+    sequences: int = 0
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,7 @@ class VerifyResult:
     num_accepted: int
     tokens: tuple[EmittedToken, ...]
     position: int
+    step: StepShape = StepShape()
 
 
 MAX_TOP_LOGPROBS = 20
@@ -72,10 +85,17 @@ def _log_softmax(row: np.ndarray) -> np.ndarray:
 class Verifier:
     """Sessions plus the verification rule, over one Engine."""
 
-    def __init__(self, engine: Engine, idle_timeout_s: float, verify_mode: str = "batched") -> None:
+    def __init__(
+        self, engine: Engine, idle_timeout_s: float, verify_mode: str = "batched", prefix_cache: bool = True
+    ) -> None:
         self.engine = engine
         self.store = SessionStore(engine.settings.max_sessions, idle_timeout_s)
         self.verify_mode = verify_mode
+        self.prefix_cache = prefix_cache
+        #: Benchmarks only (bench.synthetic_target sets it; no setting does): (k, has a bonus guess) -> (drafts to
+        #: accept, whether the guess counts as right).
+        self.acceptance_override: Callable[[int, bool], tuple[int, bool]] | None = None
+        self.synthetic_label = ""
 
     # ---------------------------------------------------------------- helpers
 
@@ -105,10 +125,13 @@ class Verifier:
 
     # ---------------------------------------------------------------- RPCs
 
-    def open(self, specs: Sequence[OpenSpec]) -> list[OpenResult]:
-        """Prefill every new session in one batch and sample each one's first token."""
+    def open_steps(self, specs: Sequence[OpenSpec]) -> Generator[None, None, list[OpenResult]]:
+        """Prefill new sessions, one chunk of at most n_batch tokens per step, and sample each one's first token.
+
+        A generator so that the scheduler can run other sessions' verify steps between chunks (chunked prefill).
+        Prompt tokens already in a free slot's KV cells (prefix cache) are not computed again.
+        """
         results: dict[str, OpenResult] = {}
-        fresh: list[Session] = []
         for spec in specs:
             self.engine.check_tokens(spec.prompt)
             if len(spec.prompt) >= self.engine.n_ctx:
@@ -119,60 +142,133 @@ class Verifier:
             retried = existing is not None and existing.prompt == tuple(spec.prompt)
             if retried and existing.last_call is not None and existing.last_call[0] == ("open",):
                 results[spec.session_id] = existing.last_call[1]  # retried Open: answer it again
+        fresh: list[Session] = []
         try:
             for spec in specs:
-                if spec.session_id in results:
-                    continue
-                rng = make_rng(spec.sampling.seed, salt=0)
-                fresh.append(self.store.create(spec.session_id, spec.prompt, spec.sampling, rng, spec.top_logprobs))
-            rows = self.engine.decode([DecodeItem(s.seq_id, s.tokens, 0, "last") for s in fresh]) if fresh else []
-        except Exception:
+                if spec.session_id not in results:
+                    rng = make_rng(spec.sampling.seed, salt=0)
+                    fresh.append(self.store.create(spec.session_id, spec.prompt, spec.sampling, rng, spec.top_logprobs))
+            last_rows = yield from self._prefill(fresh)
+        except BaseException:
             for s in fresh:
-                self.engine.clear(s.seq_id)
                 self.store.close(s.session_id)
+            self.reclaim()
             raise
-        for session, logits in zip(fresh, rows, strict=True):
-            session.kv_tokens = list(session.tokens)
-            first = self._pick(session, logits[-1])
+        for session in fresh:
+            row = last_rows[session.session_id]
+            first = self._pick(session, row)
             session.tokens.append(first)
-            result = OpenResult(session.session_id, session.position, self._emit(session, first, logits[-1]))
+            result = OpenResult(session.session_id, session.position, self._emit(session, first, row))
             session.last_call = (("open",), result)
             results[session.session_id] = result
         return [results[spec.session_id] for spec in specs]
 
+    def _prefill(self, sessions: Sequence[Session]) -> Generator[None, None, dict[str, np.ndarray]]:
+        """Fill each session's KV with its prompt (minus a cached prefix); yield between chunks; last logits rows."""
+        items, todo = [], []
+        for s in sessions:
+            kept = len(s.kv_tokens)
+            if kept == len(s.tokens) and s.prompt_row is not None:
+                self.engine.truncate(s.seq_id, kept)  # the same prompt again: its cells and last row are cached
+                continue
+            s.prompt_row = None
+            if kept == len(s.tokens):
+                kept -= 1  # the whole prompt is cached: recompute the last token, whose logits are needed
+                del s.kv_tokens[kept:]
+            self.engine.truncate(s.seq_id, kept)
+            items.append(DecodeItem(s.seq_id, s.tokens[kept:], kept, "last"))
+            todo.append(s)
+        steps = self.engine.prefill_steps(items)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                rows = stop.value
+                break
+            yield
+            if any(s.closed for s in todo):
+                raise SessionNotFound("a session was closed while its prompt was being prefilled")
+        for s, r in zip(todo, rows, strict=True):
+            s.kv_tokens = list(s.tokens)
+            s.prompt_row = r[-1]
+        return {s.session_id: s.prompt_row for s in sessions}
+
+    def verify_groups(self, groups: Sequence[Sequence[VerifySpec]]) -> list[Any]:
+        """Verify the drafts of many calls in one forward pass; a failing call fails alone.
+
+        Each group (one call) is validated as a whole before any compute. A group naming a session that an earlier
+        group of this step already verifies is deferred to the next step, where an exact retry hits the cache.
+        """
+        outcomes: list[Any] = []
+        work: list[tuple[int, Session, VerifySpec]] = []
+        busy: set[str] = set()
+        for g, specs in enumerate(groups):
+            try:
+                checked = self._check_group(specs)
+            except TandemError as exc:
+                outcomes.append(exc)
+                continue
+            if any(spec.session_id in busy for _, spec in checked):
+                outcomes.append(DEFER)
+                continue
+            cached = {spec.session_id: hit for hit, spec in checked if hit is not None}
+            outcomes.append(cached)
+            for hit, spec in checked:
+                if hit is None:
+                    busy.add(spec.session_id)
+                    work.append((g, self.store.get(spec.session_id), spec))
+        try:
+            all_rows = self._forward(work)
+        except TandemError as exc:
+            failed = {g for g, _, _ in work}
+            return [exc if g in failed else o for g, o in enumerate(outcomes)]
+        step = StepShape(len(work), sum(len(spec.draft_tokens) + 1 for _, _, spec in work))
+        for (g, session, spec), rows in zip(work, all_rows, strict=True):
+            result = dataclasses.replace(self._accept(session, spec, rows), step=step)
+            session.last_call = (("verify", spec.position, tuple(spec.draft_tokens)), result)
+            outcomes[g][spec.session_id] = result
+        return [
+            o if isinstance(o, BaseException | Defer) else [o[spec.session_id] for spec in specs]
+            for o, specs in zip(outcomes, groups, strict=True)
+        ]
+
     def verify(self, specs: Sequence[VerifySpec]) -> list[VerifyResult]:
-        """Verify each session's draft; all are validated before any compute, and run in one batch."""
-        cached: dict[str, VerifyResult] = {}
-        work: list[tuple[Session, VerifySpec]] = []
+        """One call's verification on its own (tests and tools); the service batches calls with verify_groups."""
+        (outcome,) = self.verify_groups([specs])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def _check_group(self, specs: Sequence[VerifySpec]) -> list[tuple[VerifyResult | None, VerifySpec]]:
+        checked = []
         for spec in specs:
             session = self.store.get(spec.session_id)
             key = ("verify", spec.position, tuple(spec.draft_tokens))
             hit = session.expect_position(spec.position, key)
-            if hit is not None:
-                cached[spec.session_id] = hit
-                continue
-            self.engine.check_tokens(spec.draft_tokens)
-            if spec.draft_dists is not None and len(spec.draft_dists) != len(spec.draft_tokens):
-                raise InvalidArgument("draft_distributions must be empty or one per draft token")
-            self._check_room(session, len(spec.draft_tokens) + 1)
-            work.append((session, spec))
+            if hit is None:
+                self.engine.check_tokens(spec.draft_tokens)
+                if spec.draft_dists is not None and len(spec.draft_dists) != len(spec.draft_tokens):
+                    raise InvalidArgument("draft_distributions must be empty or one per draft token")
+                self._check_room(session, len(spec.draft_tokens) + 1)
+            checked.append((hit, spec))
+        if len({spec.session_id for spec in specs}) != len(specs):
+            raise InvalidArgument("a session appears twice in one Verify call")
+        return checked
 
+    def _forward(self, work: Sequence[tuple[int, Session, VerifySpec]]) -> list[np.ndarray]:
+        """Logits rows for [pending, d1..dk] of every session in `work`: one batch, or one pass per token."""
         if self.verify_mode == "sequential":
-            all_rows = [self._rows_sequential(s, spec.draft_tokens) for s, spec in work]
-        else:
-            items = [
-                DecodeItem(s.seq_id, [s.tokens[-1], *spec.draft_tokens], len(s.tokens) - 1, "all") for s, spec in work
-            ]
-            for s, _ in work:
-                s.kv_catch_up(s.tokens[:-1])
-            all_rows = self.engine.decode(items) if items else []
-
-        out: dict[str, VerifyResult] = dict(cached)
-        for (session, spec), rows in zip(work, all_rows, strict=True):
-            result = self._accept(session, spec, rows)
-            session.last_call = (("verify", spec.position, tuple(spec.draft_tokens)), result)
-            out[spec.session_id] = result
-        return [out[spec.session_id] for spec in specs]
+            return [self._rows_sequential(s, spec.draft_tokens) for _, s, spec in work]
+        items = []
+        for _, s, spec in work:
+            s.kv_catch_up(s.tokens[:-1])
+            items.append(DecodeItem(s.seq_id, [s.tokens[-1], *spec.draft_tokens], len(s.tokens) - 1, "all"))
+        try:
+            return self.engine.decode(items) if items else []
+        except BaseException:
+            for item in items:  # cells written before the failure would break the next call's positions
+                self.engine.truncate(item.seq_id, item.start)
+            raise
 
     def _rows_sequential(self, session: Session, drafts: Sequence[int]) -> np.ndarray:
         """One forward pass per token: numerically identical to target-only decoding (costs k passes).
@@ -192,7 +288,14 @@ class Verifier:
     def _accept(self, session: Session, spec: VerifySpec, rows: np.ndarray) -> VerifyResult:
         drafts = list(spec.draft_tokens)
         k = len(drafts)
-        if session.sampling.greedy:
+        if self.acceptance_override is not None:  # synthetic acceptance: the same rows, an imposed outcome
+            n, guess_right = self.acceptance_override(k, spec.bonus_guess is not None)
+            n = min(n, k, len(rows) - 1)
+            own = self._pick(session, rows[n])
+            if n == k and guess_right:  # overlapped drafting: the draft's guess is right at the same rate
+                own = spec.bonus_guess
+            outcome = sampling.VerifyOutcome(n, own)
+        elif session.sampling.greedy:
             argmax = np.argmax(rows, axis=1).tolist()
             n = 0
             while n < k and n < len(argmax) - 1 and drafts[n] == argmax[n]:
@@ -219,13 +322,19 @@ class Verifier:
             self.engine.truncate(session.seq_id, len(session.kv_tokens))
 
     def close(self, session_ids: Sequence[str]) -> int:
-        closed = 0
-        for sid in session_ids:
-            session = self.store.close(sid)
-            if session is not None:
+        """Drop sessions at once (any thread); their KV is reclaimed by the engine thread before its next step."""
+        return sum(self.store.close(sid) is not None for sid in session_ids)
+
+    def reclaim(self) -> None:
+        """Engine thread: free closed sessions' slots, keeping their KV cells as a reusable prefix if configured."""
+        for session in self.store.take_closed():
+            if not self.prefix_cache:
                 self.engine.clear(session.seq_id)
-                closed += 1
-        return closed
+            else:
+                self.engine.truncate(session.seq_id, len(session.kv_tokens))
+            self.store.release(session, keep_cache=self.prefix_cache)
 
     def expire_idle(self) -> int:
-        return self.close(self.store.idle())
+        closed = self.close(self.store.idle())
+        self.reclaim()
+        return closed
