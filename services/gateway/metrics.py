@@ -56,6 +56,11 @@ class GatewayMetrics:
             registry=r,
         )
         self.active_requests = Gauge("tandem_active_requests", "requests being generated", registry=r)
+        self.synthetic = Gauge(
+            "tandem_synthetic_acceptance",
+            "1 when the target imposes synthetic acceptance (benchmark targets only; the text is not valid)",
+            registry=r,
+        )
         self.degraded = Counter(
             "tandem_speculation_degraded", "requests that lost their draft and continued target-only", registry=r
         )
@@ -87,6 +92,8 @@ class GatewayMetrics:
             self.sessions.labels(service=name).set(info.active_sessions)
             self.kv_tokens.labels(service=name).set(info.kv_tokens)
             self.kv_capacity.labels(service=name).set(info.context_size)
+            if name == "target":
+                self.synthetic.set(1 if info.synthetic_acceptance else 0)
 
         await asyncio.gather(*(one(n, s) for n, s in stubs.items() if s is not None))
 

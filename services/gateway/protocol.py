@@ -85,6 +85,9 @@ class SamplingFields(BaseModel):
     # llama-server's flat names, so one running stack can be compared with and without speculation.
     speculative_n_max: int | None = Field(None, alias="speculative.n_max", ge=0, le=64)
     speculative_n_min: int | None = Field(None, alias="speculative.n_min", ge=0, le=64)
+    speculative_adaptive: bool | None = Field(
+        None, alias="speculative.adaptive", description="extension: choose each round's draft length in n_min..n_max"
+    )
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> SamplingFields:

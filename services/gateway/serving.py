@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from services.gateway.adaptive import CostModel
 from services.gateway.errors import OpenAIError, sse_error
 from services.gateway.guards import Admission
 from services.gateway.metrics import GatewayMetrics
@@ -46,6 +47,7 @@ class Serving:
         self.metrics = metrics
         self.settings = settings
         self.admission = Admission(settings.max_concurrent, settings.max_queue)
+        self.costs = CostModel()  # the deployment's measured step costs, shared by all requests (adaptive k)
         self.model_name = settings.model_name or upstreams.target_info.model_name
         self.context_size = upstreams.target_info.context_size
 
@@ -102,10 +104,19 @@ class Serving:
             n_max=n_max,
             n_min=n_min,
             top_logprobs=top_logprobs,
+            adaptive=self._adaptive(req),
         )
 
+    def _adaptive(self, req) -> bool:
+        """Adaptive k, unless the request is seeded and sampled: the draft length decides how the target's random
+        stream is consumed, and timing-driven choices would make the same seed give different text."""
+        wanted = self.settings.adaptive_k if req.speculative_adaptive is None else req.speculative_adaptive
+        return wanted and not (req.seed is not None and req.temperature > 0)
+
     def start(self, gen_req: GenerationRequest) -> Generation:
-        return Generation(self.up, gen_req, self.settings.rpc_timeout_s, self.metrics)
+        return Generation(
+            self.up, gen_req, self.settings.rpc_timeout_s, self.metrics, self.costs, self.settings.overlap_draft
+        )
 
     async def deltas(self, generation: Generation, stop: Sequence[str]) -> AsyncIterator[Delta]:
         """Visible text as it becomes safe to show, ending with a Delta that carries the finish reason."""

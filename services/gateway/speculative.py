@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
+from services.gateway.adaptive import AcceptanceTracker, CostModel, DraftLengthPolicy, worth_drafting_ahead
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.upstream import Upstreams
 from tandem.sampling import SamplingParams
@@ -40,6 +41,7 @@ class GenerationRequest:
     n_max: int  # draft tokens per round (0 = target only)
     n_min: int = 0  # drafts shorter than this are not verified
     top_logprobs: int = -1  # -1 none, 0 chosen token only, n alternatives
+    adaptive: bool = True  # choose k per round in [n_min, n_max] from measured costs and acceptance
 
 
 @dataclass
@@ -53,6 +55,7 @@ class GenerationStats:
     rounds: int = 0  # verify rounds that carried a draft
     verify_calls: int = 0  # all verify calls, with or without a draft
     lookahead_rounds: int = 0  # rounds whose draft came from the n-gram lookahead, with no Propose call
+    overlapped_rounds: int = 0  # rounds whose draft was drafted during the previous verification
     draft_n: int = 0
     draft_n_accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -62,6 +65,9 @@ class GenerationStats:
     draft_forward_ns: int = 0  # time inside the draft model's forward passes
     verify_forward_ns: int = 0  # time inside the target's forward passes
     speculation: str = "off"  # off | on | degraded (draft failed mid-request)
+    synthetic_acceptance: str = ""  # benchmark targets only: acceptance is imposed, the text is not valid
+    k_chosen: int = 0  # sum of the draft lengths asked for, over rounds (adaptive k)
+    k_rounds: int = 0
 
     def observe_round(self, proposed: int, accepted: int) -> None:
         self.rounds += 1
@@ -93,10 +99,13 @@ class GenerationStats:
             if self.rounds
             else None,
             "speculation": self.speculation,
+            **({"synthetic_acceptance": self.synthetic_acceptance} if self.synthetic_acceptance else {}),
+            "draft_length_mean": round(self.k_chosen / self.k_rounds, 3) if self.k_rounds else None,
             # tandem's own split of decode time, for benchmarks: compute inside each service vs everything else.
             "rounds": self.rounds,
             "verify_calls": self.verify_calls,
             "lookahead_rounds": self.lookahead_rounds,
+            "overlapped_rounds": self.overlapped_rounds,
             "draft_compute_ms": round(self.draft_forward_ns / 1e6, 3),
             "verify_compute_ms": round(self.verify_forward_ns / 1e6, 3),
             "draft_rpc_ms": round(self.draft_ns / 1e6, 3),
@@ -115,13 +124,17 @@ class Generation:
         request: GenerationRequest,
         rpc_timeout_s: float,
         metrics: GatewayMetrics | None = None,
+        costs: CostModel | None = None,
+        overlap: bool = True,
     ) -> None:
         self.up = upstreams
         self.metrics = metrics
         self.req = request
         self.timeout = rpc_timeout_s
         self.session_id = uuid.uuid4().hex
-        self.stats = GenerationStats(prompt_n=len(request.prompt_token_ids))
+        self.stats = GenerationStats(
+            prompt_n=len(request.prompt_token_ids), synthetic_acceptance=upstreams.target_info.synthetic_acceptance
+        )
         self._use_draft = upstreams.draft is not None and request.n_max > 0
         self._draft_open = False
         self._span: trace.Span = trace.INVALID_SPAN
@@ -131,6 +144,17 @@ class Generation:
         self._unsent: list[int] = []
         self._lookahead: list[int] = []
         self._t1 = self._last = 0
+        self.costs = costs if costs is not None else CostModel()
+        # Overlapped drafting (model drafters; the n-gram lookahead already has its next draft for free).
+        self._overlap = overlap and not self._model_free_draft
+        self._ahead: tuple[list[int], list] | None = None  # next round's draft, drafted during this verification
+        self._guess: int | None = None  # the draft's guess for the target's token after this round's drafts
+        self._rewind_to: int | None = None  # draft position to rewind to after a rejected draft-ahead
+        self._draft_has = 0  # emitted tokens to come that the draft already received with a draft-ahead
+        self.acceptance = AcceptanceTracker(max(request.n_max, 1))  # this request's per-position acceptance
+        self.policy = (
+            DraftLengthPolicy(self.costs, request.n_min, request.n_max, self.acceptance) if request.adaptive else None
+        )
 
     def _child(self, name: str, parent: trace.Span | None = None) -> trace.Span:
         return tracer().start_span(name, context=trace.set_span_in_context(parent or self._span))
@@ -211,20 +235,40 @@ class Generation:
             if opened.first_token.is_eog:
                 return
             while self._produced < self.req.max_tokens:
-                k = min(self.req.n_max, self.req.max_tokens - self._produced - 1)
+                k = self._choose_k()
                 round_span = self._child("round")
                 round_start = time.perf_counter_ns()
+                ahead: asyncio.Task | None = None
                 try:
-                    drafts, dists, draft_compute = await self._propose(k, round_span)
-                    result, verify_compute = await self._verify(drafts, dists, round_span)
+                    drafts, dists, draft_compute, proposed = await self._propose(k, round_span)
+                    guess = self._guess
+                    if (
+                        guess is not None
+                        and drafts
+                        and self._use_draft
+                        and worth_drafting_ahead(self.acceptance, len(drafts))
+                    ):
+                        # Overlapped drafting: while the target verifies, the draft goes on from its guess of the
+                        # target's own token, as if every draft will be accepted.
+                        tentative = [*drafts, guess]
+                        ahead = asyncio.ensure_future(self._propose_rpc(tentative, len(drafts) + 1, round_span))
+                    result, timing = await self._verify(drafts, dists, round_span, guess if ahead else None)
+                except BaseException:
+                    if ahead is not None:
+                        ahead.cancel()
+                    raise
                 finally:
                     round_span.end()
+                if ahead is not None:
+                    draft_compute += await self._settle_ahead(ahead, drafts, guess, result)
+                verify_compute = timing.forward_ns
                 self._target_pos = result.position
                 if drafts:
                     self.stats.observe_round(len(drafts), result.num_accepted)
                 self._keep_lookahead(drafts, result)
+                round_ns = time.perf_counter_ns() - round_start
+                self._learn(drafts, result, timing, draft_compute, proposed, round_ns)
                 if m:
-                    round_ns = time.perf_counter_ns() - round_start
                     m.observe_round(len(drafts), result.num_accepted, round_ns, draft_compute + verify_compute)
                 for token in result.tokens:
                     self._emitted(token)
@@ -248,8 +292,31 @@ class Generation:
                     m.decode_rate.observe(self.stats.predicted_n / (self.stats.predicted_ns / 1e9))
             await self._close()
 
+    def _choose_k(self) -> int:
+        cap = self.req.max_tokens - self._produced - 1
+        if not self._use_draft:
+            return 0
+        k = self.policy.choose(cap) if self.policy is not None else min(self.req.n_max, cap)
+        self.stats.k_chosen += k
+        self.stats.k_rounds += 1
+        return k
+
+    def _learn(
+        self, drafts: list[int], result: pb.VerifyResult, timing: pb.Timing, draft_ns: int, proposed: int, round_ns: int
+    ) -> None:
+        """Feed the cost model (shared) and the acceptance tracker (this request) with what the round measured."""
+        self.costs.observe_verify(timing.step_tokens, timing.step_sequences, timing.forward_ns)
+        if proposed:
+            self.costs.observe_draft(proposed, draft_ns)
+        self.costs.observe_overhead(max(round_ns - timing.forward_ns - draft_ns, 0))
+        if drafts:
+            self.acceptance.observe(len(drafts), result.num_accepted)
+
     def _emitted(self, token: pb.Token) -> None:
-        self._unsent.append(token.id)
+        if self._draft_has:
+            self._draft_has -= 1  # sent with a draft-ahead already
+        else:
+            self._unsent.append(token.id)
         self._produced += 1
         now = time.perf_counter_ns()
         self.stats.predicted_n = self._produced
@@ -260,55 +327,93 @@ class Generation:
             self.metrics.generation_tokens.inc()
         self._last = now
 
-    async def _propose(self, k: int, round_span: trace.Span) -> tuple[list[int], list, int]:
+    async def _propose(self, k: int, round_span: trace.Span) -> tuple[list[int], list, int, int]:
         """Up to k draft tokens (and their distributions): from the n-gram lookahead when it still holds, else
-        from the draft service. Returns (tokens, distributions, draft compute ns)."""
+        from the draft service. Returns (tokens, distributions, draft compute ns, tokens the service proposed)."""
+        self._guess = None
         if not self._use_draft or k <= 0:
-            return [], [], 0
+            self._ahead = None  # a plain round moves the sequence on: a draft-ahead no longer fits (state stays valid)
+            return [], [], 0, 0
         if self._lookahead:
             drafts, self._lookahead = self._lookahead[:k], self._lookahead[k:]
             self.stats.lookahead_rounds += 1
-            return drafts, [], 0
+            return drafts, [], 0, 0
+        if self._ahead is not None:  # drafted during the last verification, and still valid
+            tokens, dists = self._ahead
+            self._ahead = None
+            self.stats.overlapped_rounds += 1
+            self._guess = tokens[k] if self._overlap and len(tokens) > k else None
+            return tokens[:k], dists[:k], 0, 0
         # A deterministic, model-free drafter costs nothing per token: ask it for more than k and keep the rest.
-        ask = 2 * k + 1 if self._model_free_draft else k
-        d0 = time.perf_counter_ns()
-        span = self._child("propose", round_span)
+        # With overlap, a model drafter proposes one more token: its guess of the target's own token.
+        ask = 2 * k + 1 if self._model_free_draft else k + 1 if self._overlap else k
         drafts: list[int] = []
         dists: list = []
         compute = 0
-        try:
-            reply = await self.up.propose.call(
-                pb.ProposeRequest(
-                    items=[
-                        pb.ProposeItem(
-                            session_id=self.session_id,
-                            position=self._draft_pos,
-                            append_token_ids=self._unsent,
-                            max_tokens=ask,
-                        )
-                    ],
-                    trace_context=carrier_for(span),
-                ),
-                self.timeout,
-            )
+        reply = await self._propose_rpc([], ask, round_span)
+        if reply is not None:
             proposal = reply.proposals[0]
-            self._draft_pos = proposal.position
-            self._unsent = []
             drafts = list(proposal.token_ids)
             dists = list(proposal.distributions)
             compute = reply.timing.forward_ns
-            self.stats.draft_forward_ns += compute
+        proposed = len(drafts)
+        if self._overlap and len(drafts) > k:
+            self._guess = drafts[k]
+            drafts, dists = drafts[:k], dists[:k]
+        elif len(drafts) > k:
+            drafts, self._lookahead = drafts[:k], drafts[k:]
+        if len(drafts) < max(self.req.n_min, 1):
+            return [], [], compute, proposed
+        return drafts, dists, compute, proposed
+
+    async def _propose_rpc(self, tentative: list[int], max_tokens: int, span_parent: trace.Span):
+        """One Propose: append what the draft has not seen (plus `tentative` drafts, when drafting ahead) and ask for
+        max_tokens more. Updates the draft position; a failure switches the request to target-only (None)."""
+        d0 = time.perf_counter_ns()
+        span = self._child("propose", span_parent)
+        rewind = self._rewind_to is not None
+        item = pb.ProposeItem(
+            session_id=self.session_id,
+            position=self._rewind_to if rewind else self._draft_pos,
+            append_token_ids=[*self._unsent, *tentative],
+            max_tokens=max_tokens,
+            rewind=rewind,
+        )
+        try:
+            reply = await self.up.propose.call(
+                pb.ProposeRequest(items=[item], trace_context=carrier_for(span)), self.timeout
+            )
         except grpc.aio.AioRpcError as exc:
             self._draft_failed(exc)
             span.record_exception(exc)
+            return None
         finally:
             span.end()
             self.stats.draft_ns += time.perf_counter_ns() - d0
-        if len(drafts) > k:
-            drafts, self._lookahead = drafts[:k], drafts[k:]
-        if len(drafts) < max(self.req.n_min, 1):
-            return [], [], compute
-        return drafts, dists, compute
+        self._draft_pos = reply.proposals[0].position
+        self._unsent = []
+        self._rewind_to = None
+        self.stats.draft_forward_ns += reply.timing.forward_ns
+        return reply
+
+    async def _settle_ahead(self, ahead: asyncio.Task, drafts: list[int], guess: int, result: pb.VerifyResult) -> int:
+        """Keep the draft-ahead proposal if the target accepted every draft and its own token is the proposal's
+        first; otherwise mark the tentative tokens for a rewind at the next Propose. Returns draft compute ns."""
+        reply = await ahead
+        if reply is None or not self._use_draft:
+            return 0
+        proposal = reply.proposals[0]
+        own = result.tokens[-1].id
+        accepted = result.num_accepted
+        if accepted == len(drafts) and own == guess:
+            # The draft guessed the whole round: its proposal continues the committed sequence (drafts + guess).
+            self._ahead = (list(proposal.token_ids), list(proposal.distributions)) if proposal.token_ids else None
+            self._draft_has = accepted + 1
+        else:
+            self._rewind_to = self._draft_pos - len(drafts) - 1 + accepted  # keep the accepted drafts only
+            self._draft_has = accepted
+        self._unsent = []  # of this round's emitted tokens, the draft lacks only those not counted in _draft_has
+        return reply.timing.forward_ns
 
     def _keep_lookahead(self, drafts: list[int], result: pb.VerifyResult) -> None:
         """The lookahead stays valid only if every draft was accepted and the target's own token is its next one."""
@@ -317,7 +422,9 @@ class Generation:
         else:
             self._lookahead = []
 
-    async def _verify(self, drafts: list[int], dists: list, round_span: trace.Span) -> tuple[pb.VerifyResult, int]:
+    async def _verify(
+        self, drafts: list[int], dists: list, round_span: trace.Span, guess: int | None = None
+    ) -> tuple[pb.VerifyResult, pb.Timing]:
         v0 = time.perf_counter_ns()
         span = self._child("verify", round_span)
         try:
@@ -329,6 +436,7 @@ class Generation:
                             position=self._target_pos,
                             draft_token_ids=drafts,
                             draft_distributions=dists,
+                            **({"bonus_guess": guess} if guess is not None else {}),
                         )
                     ],
                     trace_context=carrier_for(span),
@@ -340,7 +448,7 @@ class Generation:
         self.stats.verify_ns += time.perf_counter_ns() - v0
         self.stats.verify_forward_ns += reply.timing.forward_ns
         self.stats.verify_calls += 1
-        return reply.results[0], reply.timing.forward_ns
+        return reply.results[0], reply.timing
 
     async def _close(self) -> None:
         """Free both sessions' KV; never let a failed close hide the request's own outcome."""

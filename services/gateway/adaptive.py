@@ -1,0 +1,172 @@
+"""Adaptive draft length: choose each round's k from measured costs and the request's running acceptance.
+
+A round with k draft tokens emits E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens, where a_j is the probability that
+draft position j is accepted given that position j-1 was. Acceptance is estimated per position, not as one rate,
+because drafts are correlated: once an n-gram drafter is copying a passage, later positions are as safe as the
+first. The round costs
+
+    cost(k) = (fixed + overhead) / B + per_token * (k + 1) + draft_per_token * k
+
+where `fixed + per_token * n` is the target's forward time for n tokens (fitted online from the step shapes the
+target reports with every Verify), B the number of sessions sharing a step (continuous batching splits the fixed
+cost between them, so under load each extra draft token is relatively dearer and k shrinks), `overhead` the
+measured RPC/orchestration time of a round, and `draft_per_token` the draft's measured cost per proposed token.
+k = argmax E(k) / cost(k), with k = 0 (plain decoding) as one of the choices and a cheap probe now and then so a
+request that stopped drafting can start again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PRIOR_RATE = 0.5  # acceptance assumed at a position before anything is observed
+PRIOR_WEIGHT = 2.0  # ... worth this many observations
+DECAY = 0.97  # per round: the estimate follows the request's recent behaviour (about 30 rounds)
+PROBE_EVERY = 8  # rounds of plain decoding before one probing round with a short draft
+EMA = 0.1
+
+
+@dataclass
+class CostModel:
+    """Target and draft step costs on this deployment, learned from the services' timings; shared by requests."""
+
+    # Exponentially weighted least squares of forward_ns against step tokens: sums of w, x, y, xx, xy.
+    _s: list[float] = field(default_factory=lambda: [0.0] * 5)
+    overhead_ns: float | None = None
+    draft_token_ns: float = 0.0
+    sequences: float = 1.0  # mean sessions per target step
+
+    def observe_verify(self, step_tokens: int, step_sequences: int, forward_ns: int) -> None:
+        if step_tokens <= 0 or forward_ns <= 0:
+            return
+        x, y = float(step_tokens), float(forward_ns)
+        self._s = [v * (1 - EMA) + d for v, d in zip(self._s, (1.0, x, y, x * x, x * y), strict=True)]
+        self.sequences += EMA * (max(step_sequences, 1) - self.sequences)
+
+    def observe_draft(self, tokens: int, forward_ns: int) -> None:
+        if tokens > 0:
+            per_token = forward_ns / tokens
+            self.draft_token_ns += (per_token - self.draft_token_ns) * (EMA if self.draft_token_ns else 1.0)
+
+    def observe_overhead(self, ns: float) -> None:
+        self.overhead_ns = ns if self.overhead_ns is None else self.overhead_ns + EMA * (ns - self.overhead_ns)
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed ns, ns per token) of a target forward pass, or None until two different step sizes were seen."""
+        w, x, y, xx, xy = self._s
+        if w <= 0:
+            return None
+        var = xx / w - (x / w) ** 2
+        if var < 0.25:  # all steps had (nearly) the same size: the slope is not identified yet
+            return None
+        slope = (xy / w - (x / w) * (y / w)) / var
+        mean_y, mean_x = y / w, x / w
+        slope = min(max(slope, 0.0), mean_y / mean_x)  # keep it physical: 0 <= slope, fixed cost >= 0
+        return mean_y - slope * mean_x, slope
+
+    def round_ns(self, k: int) -> float | None:
+        line = self.line()
+        if line is None:
+            return None
+        fixed, per_token = line
+        shared = (fixed + (self.overhead_ns or 0.0)) / max(self.sequences, 1.0)
+        return shared + per_token * (k + 1) + self.draft_token_ns * k
+
+
+@dataclass
+class AcceptanceTracker:
+    """Per-position acceptance of one request's drafts, decayed so it follows the text as it changes."""
+
+    n_max: int
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.reached = [0.0] * self.n_max
+        self.accepted = [0.0] * self.n_max
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        for i in range(self.n_max):
+            self.reached[i] *= DECAY
+            self.accepted[i] *= DECAY
+        for i in range(min(drafted, accepted + 1, self.n_max)):
+            self.reached[i] += 1
+            if i < accepted:
+                self.accepted[i] += 1
+
+    def rate(self, i: int) -> float:
+        """Estimated P(position i accepted | positions before it accepted), 0-based."""
+        return (self.accepted[i] + PRIOR_RATE * PRIOR_WEIGHT) / (self.reached[i] + PRIOR_WEIGHT)
+
+    def all_pass(self, k: int) -> float:
+        """Estimated probability that positions 0..k-1 are all accepted."""
+        p = 1.0
+        for i in range(k):
+            p *= self.rate(min(i, self.n_max - 1))
+        return p
+
+    def expected_tokens(self, k: int) -> float:
+        total, survive = 1.0, 1.0
+        for i in range(k):
+            survive *= self.rate(i)
+            total += survive
+        return total
+
+
+@dataclass
+class DraftLengthPolicy:
+    """Chooses k for each round of one request."""
+
+    costs: CostModel
+    n_min: int
+    n_max: int
+    tracker: AcceptanceTracker | None = None
+    _plain_rounds: int = 0
+    _explore: int = 0
+    last_choice: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tracker is None:
+            self.tracker = AcceptanceTracker(max(self.n_max, 1))
+
+    def choose(self, cap: int) -> int:
+        """Draft tokens for the next round, at most `cap` (tokens left to generate)."""
+        hi = min(self.n_max, cap)
+        if hi <= 0:
+            return 0
+        lo = max(self.n_min, 1)
+        if self.costs.round_ns(0) is None:
+            # Cost curve not known yet: alternate full and half drafts, so that the fit sees two step sizes.
+            self._explore += 1
+            k = hi if self._explore % 2 else max(min(lo, hi), hi // 2)
+        else:
+            best_k, best_rate = 0, 1.0 / self.costs.round_ns(0)
+            for k in range(lo, hi + 1):
+                rate = self.tracker.expected_tokens(k) / self.costs.round_ns(k)
+                if rate > best_rate:
+                    best_k, best_rate = k, rate
+            k = best_k
+        if k == 0:
+            self._plain_rounds += 1
+            if self._plain_rounds >= PROBE_EVERY:  # probe: is drafting worth it again?
+                self._plain_rounds = 0
+                k = min(lo, hi)
+        else:
+            self._plain_rounds = 0
+        self.last_choice = k
+        return k
+
+
+OVERLAP_MIN_HIT = 0.5  # draft ahead only when the guess is likely right: a miss costs about what a hit saves
+
+
+def worth_drafting_ahead(tracker: AcceptanceTracker, k: int) -> bool:
+    """Overlapped drafting pays when P(all k drafts accepted and the bonus guess right) >= OVERLAP_MIN_HIT.
+
+    On a hit the next round's draft is ready; on a miss the draft first finishes the useless proposal (measured on
+    the H200: with low acceptance, drafting ahead made every placement slower), so below about even odds it loses.
+    """
+    if k <= 0:
+        return False
+    # The guess is one more position; drafts of length k never reach it, so its rate is taken from position k-1.
+    return tracker.all_pass(k) * tracker.rate(min(k - 1, tracker.n_max - 1)) >= OVERLAP_MIN_HIT
