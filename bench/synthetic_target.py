@@ -1,0 +1,103 @@
+"""`python -m bench.synthetic_target --synth-len L [--synth-n-max K] [target flags]`: a target for benchmarks only.
+
+Random-weight models of real shapes (bench/random_gguf.py) cost what real models cost per step, but their drafts
+are noise, so real acceptance would be ~0. This target runs every forward pass for real and then imposes the
+acceptance: each draft position is accepted with a fixed conditional probability p, chosen so that the mean
+acceptance length (accepted drafts + the target's own token) is L with K draft tokens, the definition llama-server
+uses for `--spec-synth-len`, so the two are comparable. The text it produces is not valid.
+
+It is a separate entry point on purpose: the service's own settings (flags, TANDEM_TARGET_* variables, compose,
+Helm) have no way to turn it on, and Info, every response's `timings` and the gateway's
+`tandem_synthetic_acceptance` metric say when it is on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+
+def conditional_rate(length: float, n_max: int) -> float:
+    """p with 1 + p + p^2 + ... + p^n_max = length (bisection), i.e. mean acceptance length `length` at k=n_max."""
+    if n_max <= 0:
+        raise ValueError("synthetic acceptance needs at least one draft token")
+    if not 1.0 <= length <= n_max + 1:
+        raise ValueError(f"mean acceptance length must be within [1, {n_max + 1}] for {n_max} draft tokens")
+    if length == n_max + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid**j for j in range(1, n_max + 1)) < length - 1:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+class SyntheticAcceptance:
+    """Draws how many of k drafts are accepted: each position with probability p given the previous ones were.
+
+    p makes the mean acceptance length `length` at n_max draft tokens; without n_max, p is solved for each call's
+    own k (a run at fixed k then matches llama-server's `--spec-synth-len L --spec-draft-n-max k`). A length that k
+    tokens cannot reach (L > k + 1) accepts everything.
+    """
+
+    def __init__(self, length: float, n_max: int | None = None, seed: int = 0) -> None:
+        if length < 1.0:
+            raise ValueError("mean acceptance length must be at least 1")
+        self.length = length
+        self.n_max = n_max
+        self._rates: dict[int, float] = {}
+        if n_max is not None:
+            self._rates[n_max] = conditional_rate(length, n_max)
+        at = f"k={n_max} (conditional rate {self._rates[n_max]:.4f})" if n_max else "each call's k"
+        self.label = f"mean length {length} at {at}"
+        self._rng = random.Random(seed)
+
+    def rate(self, k: int) -> float:
+        key = self.n_max or k
+        if key not in self._rates:
+            self._rates[key] = conditional_rate(self.length, key) if self.length <= key + 1 else 1.0
+        return self._rates[key]
+
+    def __call__(self, k: int, guess: bool = False) -> tuple[int, bool]:
+        """(drafts accepted of k, whether the draft's guess of the next token is right): each position in turn
+        passes with probability p; the guess is one more position, reached only if all k passed."""
+        if k <= 0:
+            return 0, False
+        p = self.rate(k)
+        n = 0
+        while n < k and self._rng.random() < p:
+            n += 1
+        return n, bool(guess and n == k and self._rng.random() < p)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--synth-len", type=float, required=True, help="mean acceptance length, bonus token included")
+    parser.add_argument(
+        "--synth-n-max", type=int, default=None, help="the draft length L is defined for (default: each call's k)"
+    )
+    parser.add_argument("--synth-seed", type=int, default=0)
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    synthetic = SyntheticAcceptance(args.synth_len, args.synth_n_max, args.synth_seed)
+
+    from services.target.__main__ import serve_target
+    from tandem.cli import service_main
+    from tandem.config import TargetSettings
+
+    def configure(verifier) -> None:
+        verifier.acceptance_override = synthetic
+        verifier.synthetic_label = synthetic.label
+        print(f"tandem: SYNTHETIC ACCEPTANCE ({synthetic.label}); benchmark only, text is not valid", flush=True)
+
+    async def run(settings: TargetSettings) -> None:
+        await serve_target(settings, configure)
+
+    service_main(TargetSettings, "tandem-target-synthetic", run, rest)
+
+
+if __name__ == "__main__":
+    main()
