@@ -198,12 +198,16 @@ async def prefix(stacks: Stacks, threads: str, reps: int) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ TTFT with speculation
 
 
-async def ttft_speculation(stacks: Stacks, threads: str, reps: int) -> list[dict]:
+async def ttft_speculation(stacks: Stacks, reps: int) -> list[dict]:
     """TTFT with speculation (n-gram and model drafts) against target-only, same stack, cold ~1,000-token prompts."""
-    log("starting the TTFT stack ...")
-    target = stacks.service("services.target", ["--n-threads", threads, "--no-prefix-cache"])
+    log("starting the TTFT stack (target and model draft on a core each, as on two devices) ...")
+    cores = sorted(os.sched_getaffinity(0))
+    one, other = ({cores[0]}, {cores[1]}) if len(cores) > 1 else (None, None)
+    target = stacks.service("services.target", ["--n-threads", "1", "--no-prefix-cache"], cpus=one)
     ngram = stacks.service("services.draft", ["--drafter", "ngram"])
-    model = stacks.service("services.draft", ["--drafter", "model", "--n-threads", threads, "--no-prefix-cache"])
+    model = stacks.service(
+        "services.draft", ["--drafter", "model", "--n-threads", "1", "--no-prefix-cache"], cpus=other
+    )
     urls = {"n-gram draft": stacks.gateway(target, ngram), "model draft": stacks.gateway(target, model)}
     samples: dict[str, list[float]] = {}
     async with httpx.AsyncClient() as client:
@@ -341,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         if "prefix" in sections:
             rows += asyncio.run(prefix(stacks, args.threads, args.reps + 1))
         if "ttft" in sections:
-            rows += asyncio.run(ttft_speculation(stacks, args.threads, args.reps + 1))
+            rows += asyncio.run(ttft_speculation(stacks, args.reps + 1))
         if "overlap" in sections:
             rows += asyncio.run(overlap(stacks, args.max_tokens, args.reps))
     finally:

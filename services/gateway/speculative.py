@@ -151,6 +151,7 @@ class Generation:
         self._guess: int | None = None  # the draft's guess for the target's token after this round's drafts
         self._rewind_to: int | None = None  # draft position to rewind to after a rejected draft-ahead
         self._draft_has = 0  # emitted tokens to come that the draft already received with a draft-ahead
+        self._draft_opening: asyncio.Future | None = None  # the draft's Open, finishing after the first token
         self.acceptance = AcceptanceTracker(max(request.n_max, 1))  # this request's per-position acceptance
         self.policy = (
             DraftLengthPolicy(self.costs, request.n_min, request.n_max, self.acceptance) if request.adaptive else None
@@ -194,17 +195,28 @@ class Generation:
         draft_item = pb.OpenItem(
             session_id=self.session_id, prompt_token_ids=self.req.prompt_token_ids, sampling=self._sampling_pb()
         )
-        draft_call = self.up.draft.Open(pb.OpenRequest(items=[draft_item]), timeout=self.timeout, metadata=metadata)
-        target_res, draft_res = await asyncio.gather(target_call, draft_call, return_exceptions=True)
-        if isinstance(target_res, BaseException):
-            if not isinstance(draft_res, BaseException):
-                self._draft_open = True  # closed in the caller's finally
-            raise target_res
-        if isinstance(draft_res, BaseException):
-            self._draft_failed(draft_res)
-        else:
-            self._draft_open = True
+        # The first token does not wait for the draft's prefill: it finishes in the background (on its own device)
+        # and the first Propose waits for it. TTFT with speculation is then the target's alone.
+        self._draft_opening = asyncio.ensure_future(
+            self.up.draft.Open(pb.OpenRequest(items=[draft_item]), timeout=self.timeout, metadata=metadata)
+        )
+        try:
+            target_res = await target_call
+        except BaseException:
+            await self._draft_opened()  # so that the caller's finally closes it
+            raise
         return target_res.results[0]
+
+    async def _draft_opened(self) -> bool:
+        """Wait for the draft's Open (once); False if it failed, which switches the request to target-only."""
+        task, self._draft_opening = self._draft_opening, None
+        if task is not None:
+            try:
+                await task
+                self._draft_open = True
+            except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+                self._draft_failed(exc)
+        return self._use_draft
 
     async def tokens(self) -> AsyncIterator[pb.Token]:
         """Emitted tokens in order; close the iterator (contextlib.aclosing) to free both sessions early."""
@@ -345,8 +357,10 @@ class Generation:
             self._guess = tokens[k] if self._overlap and len(tokens) > k else None
             return tokens[:k], dists[:k], 0, 0
         # A deterministic, model-free drafter costs nothing per token: ask it for more than k and keep the rest.
-        # With overlap, a model drafter proposes one more token: its guess of the target's own token.
-        ask = 2 * k + 1 if self._model_free_draft else k + 1 if self._overlap else k
+        # When drafting ahead is likely to pay, a model drafter proposes one more token: its guess of the target's
+        # own token (otherwise that token would cost a draft step for nothing).
+        guessing = self._overlap and worth_drafting_ahead(self.acceptance, k)
+        ask = 2 * k + 1 if self._model_free_draft else k + 1 if guessing else k
         drafts: list[int] = []
         dists: list = []
         compute = 0
@@ -357,7 +371,7 @@ class Generation:
             dists = list(proposal.distributions)
             compute = reply.timing.forward_ns
         proposed = len(drafts)
-        if self._overlap and len(drafts) > k:
+        if guessing and len(drafts) > k:
             self._guess = drafts[k]
             drafts, dists = drafts[:k], dists[:k]
         elif len(drafts) > k:
@@ -369,6 +383,8 @@ class Generation:
     async def _propose_rpc(self, tentative: list[int], max_tokens: int, span_parent: trace.Span):
         """One Propose: append what the draft has not seen (plus `tentative` drafts, when drafting ahead) and ask for
         max_tokens more. Updates the draft position; a failure switches the request to target-only (None)."""
+        if self._draft_opening is not None and not await self._draft_opened():
+            return None
         d0 = time.perf_counter_ns()
         span = self._child("propose", span_parent)
         rewind = self._rewind_to is not None
@@ -452,6 +468,8 @@ class Generation:
 
     async def _close(self) -> None:
         """Free both sessions' KV; never let a failed close hide the request's own outcome."""
+        if self._draft_opening is not None:
+            await asyncio.shield(self._draft_opened())
         calls = [self.up.target.Close(pb.CloseRequest(session_ids=[self.session_id]), timeout=5)]
         if self._draft_open and self.up.draft is not None:
             calls.append(self.up.draft.Close(pb.CloseRequest(session_ids=[self.session_id]), timeout=5))
