@@ -11,7 +11,7 @@ PROTO_OUT := tandem/v1/tandem_pb2.py
 
 BENCH_ARGS ?=
 
-.PHONY: install proto run test bench load lint fmt clean
+.PHONY: features install proto run test bench load lint fmt clean
 
 install: $(VENV)/.installed $(PROTO_OUT)
 
@@ -41,6 +41,10 @@ test: install
 # QUICK=1 for a few-minute run; LLAMA_SERVER=/path/to/llama-server adds llama.cpp's server as the peer.
 bench: install
 	$(PY) -m bench $(if $(QUICK),--quick) $(BENCH_ARGS)
+
+# Each speed feature on and off: continuous batching, prefix reuse, TTFT with speculation, overlapped drafting.
+features: install
+	$(PY) -m bench.features $(FEATURES_ARGS)
 
 # 32 streaming clients for 60 s against a stack started here (loopback only), with RSS of the three services.
 load: install
