@@ -241,7 +241,7 @@ async def overlap(stacks: Stacks, max_tokens: int, reps: int) -> list[dict]:
     draft = stacks.service(
         "services.draft", ["--drafter", "model", "--n-threads", "1", "--no-prefix-cache"], cpus={cores[1]}
     )
-    urls = {"on": stacks.gateway(target, draft), "off": stacks.gateway(target, draft, "--no-overlap-draft")}
+    urls = {"on": stacks.gateway(target, draft, "--overlap-draft"), "off": stacks.gateway(target, draft)}
     loads = [w for w in workloads(quick=True) if w.name in ("edit", "chat", "summary")]
     samples: dict[tuple, list[dict]] = {}
     async with httpx.AsyncClient() as client:

@@ -152,10 +152,10 @@ class GatewaySettings(BaseSettings):
     n_max: int = Field(8, ge=0, le=64, description="default draft tokens per round (0 = no speculation)")
     n_min: int = Field(0, ge=0, le=64, description="drafts shorter than this are not verified")
     overlap_draft: bool = Field(
-        True,
+        False,
         description="model drafters: while the target verifies a round, the draft already drafts the next one as if"
-        " every token will be accepted (kept when that holds, rewound when not); hides draft time when the draft"
-        " runs on another device",
+        " every token will be accepted (kept when that holds, rewound when not). Turn it on when the draft runs on"
+        " another device (the compose file and the chart do): on a shared device the two compete and it loses",
     )
     adaptive_k: bool = Field(
         True,

@@ -99,7 +99,7 @@ def exact_draft(service_tmp: Path) -> Iterator[Service]:
 
 @pytest.fixture(scope="module")
 def exact_gateway(exact_target: Service, exact_draft: Service, service_tmp: Path) -> Iterator[Service]:
-    service = start_gateway(exact_target.address, exact_draft.address, service_tmp)
+    service = start_gateway(exact_target.address, exact_draft.address, service_tmp, "--overlap-draft")
     yield service
     service.stop()
 
@@ -143,7 +143,7 @@ def test_self_draft_batched_verify(model_gateway: Service, plain_runs: list[dict
 def test_self_draft_sequential_verify_is_identical(exact_gateway: Service) -> None:
     """One forward pass per verified token: output must equal target-only decoding exactly, on every prompt.
 
-    Overlapped drafting is on (the default): most rounds' drafts were drafted while the previous round verified.
+    Overlapped drafting is on: many rounds' drafts were drafted while the previous round verified.
     """
     drafted = accepted = overlapped = 0
     for prompt in PROMPTS:

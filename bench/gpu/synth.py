@@ -93,7 +93,7 @@ def run_tandem(args, client, pair, target_path, draft_path, rows, deadline, log_
                      "--n-ctx", "4096", "--no-prefix-cache"],
                     log_dir, timeout=600,
                 )  # fmt: skip
-                gw_on = start_gateway(target.address, draft.address, log_dir, "--max-tokens-default", "512")
+                gw_on = start_gateway(target.address, draft.address, log_dir, "--overlap-draft")
                 gw_off = start_gateway(target.address, draft.address, log_dir, "--no-overlap-draft")
                 procs += [draft, gw_on, gw_off]
                 complete(client, gw_on.address, 8, {"speculative.n_max": 2})  # warm-up

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.serving import Delta, Serving, new_id, now, stream_events, usage
+from services.gateway.streaming import DisconnectAwareStreamingResponse
 from tandem.v1 import tandem_pb2 as pb
 
 router = APIRouter()
@@ -109,7 +110,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             }
         ]
 
-    return StreamingResponse(
+    return DisconnectAwareStreamingResponse(
         stream_events(first, deltas, chunk, tail),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},

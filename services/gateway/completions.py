@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from services.gateway.errors import OpenAIError
 from services.gateway.protocol import CompletionRequest
 from services.gateway.serving import Delta, Serving, new_id, now, stream_events, usage
+from services.gateway.streaming import DisconnectAwareStreamingResponse
 from tandem.v1 import tandem_pb2 as pb
 
 router = APIRouter()
@@ -97,4 +98,4 @@ async def completions(body: CompletionRequest, request: Request):
             return []
         return [{**base, "object": "text_completion", "choices": [], "usage": usage(generation.stats)}]
 
-    return StreamingResponse(stream_events(first, deltas, chunk, tail), media_type="text/event-stream")
+    return DisconnectAwareStreamingResponse(stream_events(first, deltas, chunk, tail), media_type="text/event-stream")

@@ -467,13 +467,22 @@ class Generation:
         return reply.results[0], reply.timing
 
     async def _close(self) -> None:
-        """Free both sessions' KV; never let a failed close hide the request's own outcome."""
+        """Free both sessions' KV; never let a failed close hide the request's own outcome.
+
+        Shielded as one task: when the client disconnects, the request's task is cancelled (and stays cancelled
+        under anyio), but the Close calls must still go out.
+        """
+        closing = asyncio.ensure_future(self._close_both())
+        self._closing = closing  # keep a reference until it is done
+        await asyncio.shield(closing)
+
+    async def _close_both(self) -> None:
         if self._draft_opening is not None:
-            await asyncio.shield(self._draft_opened())
+            await self._draft_opened()
         calls = [self.up.target.Close(pb.CloseRequest(session_ids=[self.session_id]), timeout=5)]
         if self._draft_open and self.up.draft is not None:
             calls.append(self.up.draft.Close(pb.CloseRequest(session_ids=[self.session_id]), timeout=5))
-        results = await asyncio.shield(asyncio.gather(*calls, return_exceptions=True))
+        results = await asyncio.gather(*calls, return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
                 log.debug("close of session %s failed: %s", self.session_id, r)
