@@ -158,9 +158,11 @@ class GatewaySettings(BaseSettings):
         " another device (the compose file and the chart do): on a shared device the two compete and it loses",
     )
     adaptive_k: bool = Field(
-        True,
+        False,
         description="choose each round's draft length in n_min..n_max from the measured cost of verification and"
-        " the request's running acceptance (fewer draft tokens when many requests share a step)",
+        " the request's running acceptance (fewer draft tokens when many requests share a step). Off by default: it"
+        " did not beat the fixed default on the benchmark yet, and its timing-driven choices can flip near-ties, so"
+        " the same temperature-0 request could give different text",
     )
     max_tokens_default: int = Field(512, ge=1, description="max_tokens when the request gives none")
     rpc_timeout_s: float = Field(30.0, gt=0, description="deadline of each gRPC call")
