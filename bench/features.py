@@ -89,7 +89,10 @@ async def batching(stacks: Stacks, threads: str, max_tokens: int, rounds: int) -
         urls[name] = stacks.gateway(target, draft, "--max-concurrent", "16")
     rows = []
     async with httpx.AsyncClient() as client:
-        for mode, spec in (("target-only", {"speculative.n_max": 0}), ("n-gram adaptive", {"speculative.adaptive": True})):
+        for mode, spec in (
+            ("target-only", {"speculative.n_max": 0}),
+            ("n-gram adaptive", {"speculative.adaptive": True}),
+        ):
             samples: dict[tuple[str, int], list[float]] = {}
             same: dict[str, list[bool]] = {"on": [], "off": []}
             singles: dict[str, list[str]] = {}
