@@ -20,6 +20,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from tandem.errors import TandemError
 from tandem.grpc_server import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,45 @@ class Defer:
 DEFER = Defer()
 GroupOutcome = list[Any] | BaseException | Defer
 BatchFn = Callable[[list[Sequence[Any]]], list[GroupOutcome]]
+
+
+def plan_step(
+    groups: Sequence[Sequence[Any]], check: Callable[[Sequence[Any]], list[tuple[str, Any, Any]]]
+) -> tuple[list[Any], list[tuple[int, Any]]]:
+    """Validate the calls (groups) merged into one step and pick the work to compute.
+
+    `check(specs)` validates one call as a whole and returns (session id, cached result or None, work item) per
+    spec, or raises TandemError. Returns `outcomes`, one per group: its error, DEFER (it names a session an earlier
+    group of this step already works on: it waits for the next step, where an exact retry hits the cache), or a dict
+    session id -> result holding the cached results, which the caller completes; and `work`, (group index, item)
+    for every spec to compute.
+    """
+    outcomes: list[Any] = []
+    work: list[tuple[int, Any]] = []
+    busy: set[str] = set()
+    for g, specs in enumerate(groups):
+        try:
+            checked = check(specs)
+        except TandemError as exc:
+            outcomes.append(exc)
+            continue
+        if any(sid in busy for sid, _, _ in checked):
+            outcomes.append(DEFER)
+            continue
+        outcomes.append({sid: hit for sid, hit, _ in checked if hit is not None})
+        for sid, hit, item in checked:
+            if hit is None:
+                busy.add(sid)
+                work.append((g, item))
+    return outcomes, work
+
+
+def step_results(groups: Sequence[Sequence[Any]], outcomes: list[Any]) -> list[GroupOutcome]:
+    """Each group's outcome for the scheduler: its error, DEFER, or its results in the order of its specs."""
+    return [
+        o if isinstance(o, BaseException | Defer) else [o[spec.session_id] for spec in specs]
+        for o, specs in zip(outcomes, groups, strict=True)
+    ]
 
 
 @dataclass

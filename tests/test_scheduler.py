@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -16,6 +18,20 @@ def run(coro):
     return asyncio.run(coro)
 
 
+@contextlib.asynccontextmanager
+async def engine_busy(scheduler: StepScheduler) -> AsyncIterator[None]:
+    """Hold the engine thread with a job; calls made inside the block wait, and run once it is released."""
+    gate = threading.Event()
+    blocker = asyncio.create_task(scheduler.job(gate.wait))
+    await asyncio.sleep(0.05)
+    try:
+        yield
+        await asyncio.sleep(0.05)  # let the calls made inside reach the queue
+    finally:
+        gate.set()
+        await blocker
+
+
 def test_calls_waiting_for_the_engine_run_as_one_step() -> None:
     steps: list[list[list[int]]] = []
 
@@ -26,15 +42,9 @@ def test_calls_waiting_for_the_engine_run_as_one_step() -> None:
     async def main():
         scheduler = StepScheduler(EngineWorker())
         scheduler.register("verify", verify)
-        gate = threading.Event()
-        blocker = asyncio.create_task(scheduler.job(gate.wait))  # the engine is busy ...
-        await asyncio.sleep(0.05)
-        calls = [asyncio.create_task(scheduler.batched("verify", [i, i + 100])) for i in range(5)]
-        await asyncio.sleep(0.05)
-        gate.set()  # ... and when it is free, all five waiting calls go in one step
-        results = await asyncio.gather(*calls)
-        await blocker
-        return scheduler, results
+        async with engine_busy(scheduler):  # when the engine is free, all five waiting calls go in one step
+            calls = [asyncio.create_task(scheduler.batched("verify", [i, i + 100])) for i in range(5)]
+        return scheduler, await asyncio.gather(*calls)
 
     scheduler, results = run(main())
     assert results == [[i * 10, (i + 100) * 10] for i in range(5)]
@@ -76,15 +86,10 @@ def test_a_failing_call_fails_alone_and_a_deferred_one_runs_next_step() -> None:
     async def main():
         scheduler = StepScheduler(EngineWorker())
         scheduler.register("verify", verify)
-        gate = threading.Event()
-        blocker = asyncio.create_task(scheduler.job(gate.wait))
-        await asyncio.sleep(0.05)
-        good = asyncio.create_task(scheduler.batched("verify", ["good"]))
-        bad = asyncio.create_task(scheduler.batched("verify", ["bad"]))
-        busy = asyncio.create_task(scheduler.batched("verify", ["busy"]))
-        await asyncio.sleep(0.05)
-        gate.set()
-        await blocker
+        async with engine_busy(scheduler):
+            good = asyncio.create_task(scheduler.batched("verify", ["good"]))
+            bad = asyncio.create_task(scheduler.batched("verify", ["bad"]))
+            busy = asyncio.create_task(scheduler.batched("verify", ["busy"]))
         assert await good == ["ok"]
         with pytest.raises(InvalidArgument):
             await bad
@@ -133,15 +138,11 @@ def test_cancelled_calls_cost_nothing() -> None:
     async def main():
         scheduler = StepScheduler(EngineWorker())
         scheduler.register("verify", verify)
-        gate = threading.Event()
-        blocker = asyncio.create_task(scheduler.job(gate.wait))
-        await asyncio.sleep(0.05)
-        gone = asyncio.create_task(scheduler.batched("verify", ["gone"]))
-        kept = asyncio.create_task(scheduler.batched("verify", ["kept"]))
-        await asyncio.sleep(0.05)
-        gone.cancel()
-        gate.set()
-        await blocker
+        async with engine_busy(scheduler):
+            gone = asyncio.create_task(scheduler.batched("verify", ["gone"]))
+            kept = asyncio.create_task(scheduler.batched("verify", ["kept"]))
+            await asyncio.sleep(0.05)
+            gone.cancel()
         assert await kept == ["ok"]
 
     run(main())

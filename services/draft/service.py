@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.draft.drafters import Draft, Drafter, ModelDrafter
-from tandem.errors import InvalidArgument, SessionNotFound, TandemError
+from tandem.errors import InvalidArgument, SessionNotFound
 from tandem.sampling import SamplingParams
-from tandem.scheduler import DEFER, Defer
+from tandem.scheduler import plan_step, step_results
 from tandem.sessions import Session, SessionStore, make_rng
 
 DRAFT_RNG_SALT = 1  # the draft's random stream must differ from the target's for the same seed
@@ -97,25 +97,9 @@ class DraftService:
 
     def propose_groups(self, groups: Sequence[Sequence[ProposeSpec]]) -> list[Any]:
         """Proposals for many calls in one engine step; each call is validated whole and fails alone."""
-        outcomes: list[Any] = []
-        work: list[tuple[int, Session, ProposeSpec, tuple]] = []
-        busy: set[str] = set()
-        for specs in groups:
-            try:
-                checked = self._check_group(specs)
-            except TandemError as exc:
-                outcomes.append(exc)
-                continue
-            if any(spec.session_id in busy for _, _, spec, _ in checked):
-                outcomes.append(DEFER)
-                continue
-            outcomes.append({spec.session_id: hit for hit, _, spec, _ in checked if hit is not None})
-            for hit, session, spec, key in checked:
-                if hit is None:
-                    busy.add(spec.session_id)
-                    work.append((len(outcomes) - 1, session, spec, key))
+        outcomes, work = plan_step(groups, self._check_group)
         asks = []
-        for _, session, spec, _ in work:
+        for _, (session, spec, _) in work:
             if spec.rewind and spec.position < session.position:
                 self.store.rollback([(spec.session_id, spec.position)])
                 self.drafter.truncated(session)
@@ -126,18 +110,15 @@ class DraftService:
             room = spec.max_tokens if self.n_ctx is None else min(spec.max_tokens, self.n_ctx - session.position - 1)
             asks.append((session, max(room, 0)))
         drafts = self.drafter.propose_many(asks)
-        for (g, session, spec, key), draft in zip(work, drafts, strict=True):
+        for (g, (session, spec, key)), draft in zip(work, drafts, strict=True):
             result = ProposeResult(spec.session_id, session.position, draft)
             session.last_call = (key, result)
             outcomes[g][spec.session_id] = result
-        return [
-            o if isinstance(o, BaseException | Defer) else [o[spec.session_id] for spec in specs]
-            for o, specs in zip(outcomes, groups, strict=True)
-        ]
+        return step_results(groups, outcomes)
 
     def _check_group(
         self, specs: Sequence[ProposeSpec]
-    ) -> list[tuple[ProposeResult | None, Session, ProposeSpec, tuple]]:
+    ) -> list[tuple[str, ProposeResult | None, tuple[Session, ProposeSpec, tuple]]]:
         checked = []
         for spec in specs:
             session = self.store.get(spec.session_id)
@@ -148,7 +129,7 @@ class DraftService:
                 hit = session.expect_position(spec.position, key)
             if hit is None:
                 self._check_tokens(spec.append)
-            checked.append((hit, session, spec, key))
+            checked.append((spec.session_id, hit, (session, spec, key)))
         if len({spec.session_id for spec in specs}) != len(specs):
             raise InvalidArgument("a session appears twice in one Propose call")
         return checked

@@ -19,7 +19,7 @@ from tandem import sampling
 from tandem.engine import DecodeItem, Engine
 from tandem.errors import InvalidArgument, SessionNotFound, TandemError
 from tandem.sampling import SamplingParams, SparseDist
-from tandem.scheduler import DEFER, Defer
+from tandem.scheduler import plan_step, step_results
 from tandem.sessions import Session, SessionStore, make_rng
 
 
@@ -199,38 +199,18 @@ class Verifier:
         Each group (one call) is validated as a whole before any compute. A group naming a session that an earlier
         group of this step already verifies is deferred to the next step, where an exact retry hits the cache.
         """
-        outcomes: list[Any] = []
-        work: list[tuple[int, Session, VerifySpec]] = []
-        busy: set[str] = set()
-        for g, specs in enumerate(groups):
-            try:
-                checked = self._check_group(specs)
-            except TandemError as exc:
-                outcomes.append(exc)
-                continue
-            if any(spec.session_id in busy for _, spec in checked):
-                outcomes.append(DEFER)
-                continue
-            cached = {spec.session_id: hit for hit, spec in checked if hit is not None}
-            outcomes.append(cached)
-            for hit, spec in checked:
-                if hit is None:
-                    busy.add(spec.session_id)
-                    work.append((g, self.store.get(spec.session_id), spec))
+        outcomes, work = plan_step(groups, self._check_group)
         try:
-            all_rows = self._forward(work)
+            all_rows = self._forward([item for _, item in work])
         except TandemError as exc:
-            failed = {g for g, _, _ in work}
+            failed = {g for g, _ in work}
             return [exc if g in failed else o for g, o in enumerate(outcomes)]
-        step = StepShape(len(work), sum(len(spec.draft_tokens) + 1 for _, _, spec in work))
-        for (g, session, spec), rows in zip(work, all_rows, strict=True):
+        step = StepShape(len(work), sum(len(spec.draft_tokens) + 1 for _, (_, spec) in work))
+        for (g, (session, spec)), rows in zip(work, all_rows, strict=True):
             result = dataclasses.replace(self._accept(session, spec, rows), step=step)
             session.last_call = (("verify", spec.position, tuple(spec.draft_tokens)), result)
             outcomes[g][spec.session_id] = result
-        return [
-            o if isinstance(o, BaseException | Defer) else [o[spec.session_id] for spec in specs]
-            for o, specs in zip(outcomes, groups, strict=True)
-        ]
+        return step_results(groups, outcomes)
 
     def verify(self, specs: Sequence[VerifySpec]) -> list[VerifyResult]:
         """One call's verification on its own (tests and tools); the service batches calls with verify_groups."""
@@ -239,7 +219,9 @@ class Verifier:
             raise outcome
         return outcome
 
-    def _check_group(self, specs: Sequence[VerifySpec]) -> list[tuple[VerifyResult | None, VerifySpec]]:
+    def _check_group(
+        self, specs: Sequence[VerifySpec]
+    ) -> list[tuple[str, VerifyResult | None, tuple[Session, VerifySpec]]]:
         checked = []
         for spec in specs:
             session = self.store.get(spec.session_id)
@@ -250,17 +232,17 @@ class Verifier:
                 if spec.draft_dists is not None and len(spec.draft_dists) != len(spec.draft_tokens):
                     raise InvalidArgument("draft_distributions must be empty or one per draft token")
                 self._check_room(session, len(spec.draft_tokens) + 1)
-            checked.append((hit, spec))
+            checked.append((spec.session_id, hit, (session, spec)))
         if len({spec.session_id for spec in specs}) != len(specs):
             raise InvalidArgument("a session appears twice in one Verify call")
         return checked
 
-    def _forward(self, work: Sequence[tuple[int, Session, VerifySpec]]) -> list[np.ndarray]:
+    def _forward(self, work: Sequence[tuple[Session, VerifySpec]]) -> list[np.ndarray]:
         """Logits rows for [pending, d1..dk] of every session in `work`: one batch, or one pass per token."""
         if self.verify_mode == "sequential":
-            return [self._rows_sequential(s, spec.draft_tokens) for _, s, spec in work]
+            return [self._rows_sequential(s, spec.draft_tokens) for s, spec in work]
         items = []
-        for _, s, spec in work:
+        for s, spec in work:
             s.kv_catch_up(s.tokens[:-1])
             items.append(DecodeItem(s.seq_id, [s.tokens[-1], *spec.draft_tokens], len(s.tokens) - 1, "all"))
         try:
