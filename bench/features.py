@@ -31,6 +31,17 @@ from bench.workloads import workloads
 from tandem.launch import Process, start_gateway, start_model_service
 
 PROMPTS_PER_STREAM = 8
+#: Batching is about decode: short prompts, so that prefill (which batching does not speed up) stays a small share.
+SHORT_PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator works to a ten-year-old.",
+    "Describe a busy morning at a fish market in a small harbour town.",
+    "What are the pros and cons of working from home? Answer in prose.",
+    "Write a letter from a cat to its owner about the new dog.",
+    "Explain why the sky is blue and sunsets are red.",
+    "Tell the story of a chess game between two old friends in a park.",
+    "Describe how bread is made, from wheat field to bakery shelf.",
+]
 
 
 def log(message: str) -> None:
@@ -79,7 +90,7 @@ def text_of(reply: dict) -> str:
 
 async def batching(stacks: Stacks, threads: str, max_tokens: int, rounds: int) -> list[dict]:
     """Aggregate tok/s at concurrency 1 and 8, batching on and off, target-only and n-gram speculation."""
-    prompts = [p for w in workloads(quick=False) if w.temperature == 0 for p in w.prompts][:PROMPTS_PER_STREAM]
+    prompts = SHORT_PROMPTS[:PROMPTS_PER_STREAM]
     urls = {}
     for name, extra in (("on", []), ("off", ["--max-batch", "1"])):
         log(f"starting the batching-{name} stack ...")
@@ -91,7 +102,7 @@ async def batching(stacks: Stacks, threads: str, max_tokens: int, rounds: int) -
     async with httpx.AsyncClient() as client:
         for mode, spec in (
             ("target-only", {"speculative.n_max": 0}),
-            ("n-gram adaptive", {"speculative.adaptive": True}),
+            ("n-gram k=4", {"speculative.n_max": 4}),
         ):
             samples: dict[tuple[str, int], list[float]] = {}
             same: dict[str, list[bool]] = {"on": [], "off": []}

@@ -100,6 +100,13 @@ class ServiceSettings(EngineSettings):
     max_batch: int = Field(
         64, ge=1, le=1024, description="calls merged into one engine step (continuous batching; 1 = one at a time)"
     )
+    batch_wait_ms: float = Field(
+        20.0,
+        ge=0,
+        le=1000,
+        description="how long a step may wait for the calls the last step answered to come back, so that they stay"
+        " in one batch (also at most half the last step's time; 0 = start at the first call)",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 

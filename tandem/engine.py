@@ -247,6 +247,9 @@ class Engine:
                 by_length.setdefault(len(item.tokens), []).append(i)
         plan: list[list[tuple[int, int, int]]] = []
         for length, members in by_length.items():
+            # In seq_id order: llama.cpp 0.3.36 computes a batch whose sequences come out of order more slowly
+            # (8 one-token sequences: 100 ms shuffled against 61 ms sorted, measured on SmolLM2, 2 CPU threads).
+            members.sort(key=lambda i: items[i].seq_id)
             if length > self.n_batch:
                 for i in members:
                     plan += [[(i, off, min(self.n_batch, length - off))] for off in range(0, length, self.n_batch)]

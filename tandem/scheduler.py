@@ -9,6 +9,12 @@ gRPC handlers do not call the engine themselves. They submit work here and await
   does not stall the streams that are already decoding.
 
 Everything runs on the EngineWorker's single thread; futures are resolved on the event loop.
+
+Gathering: the calls a step answers come back at slightly different times (each goes through the gateway and its
+next draft first). Started at the first arrival, the next step would carry one session and the rest would queue
+behind it, so steps alternate between 1 and n-1 sessions and batching gains little (measured: 1+7 steps of 20 + 94 ms
+for 8 streams on the CPU). So a step whose callers have not all come back waits for them briefly: at most
+`gather_ratio` of the last step's time and `max_gather_s`, whichever is shorter.
 """
 
 from __future__ import annotations
@@ -93,6 +99,9 @@ class _Job:
 class _Kind:
     fn: BatchFn
     pending: deque[_Submission] = field(default_factory=deque)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    last_served: int = 0  # calls answered by the last step: how many are expected back
+    last_step_s: float = 0.0
 
 
 class StepScheduler:
@@ -103,10 +112,14 @@ class StepScheduler:
         worker: EngineWorker,
         before_step: Callable[[], None] | None = None,
         max_groups: int = 64,
+        max_gather_s: float = 0.02,
+        gather_ratio: float = 0.5,
     ) -> None:
         self.worker = worker
         self.before_step = before_step
         self.max_groups = max_groups
+        self.max_gather_s = max_gather_s
+        self.gather_ratio = gather_ratio
         self._kinds: dict[str, _Kind] = {}
         self._jobs: deque[_Job] = deque()
         self._wake = asyncio.Event()
@@ -115,6 +128,7 @@ class StepScheduler:
         self.steps = 0
         self.batched_groups = 0
         self.max_groups_seen = 0
+        self.gather_waits = 0  # steps that waited for returning callers
 
     def register(self, kind: str, fn: BatchFn) -> None:
         self._kinds[kind] = _Kind(fn)
@@ -127,7 +141,9 @@ class StepScheduler:
     async def batched(self, kind: str, items: Sequence[Any]) -> list[Any]:
         """Results for `items` (one call's group), computed in the next step together with other calls' groups."""
         future = asyncio.get_running_loop().create_future()
-        self._kinds[kind].pending.append(_Submission(items, future))
+        entry = self._kinds[kind]
+        entry.pending.append(_Submission(items, future))
+        entry.arrived.set()
         self._ensure_running()
         return await future
 
@@ -155,7 +171,26 @@ class StepScheduler:
                 except Exception:  # a bug here must not stop the service from serving
                     log.exception("scheduler step failed")
 
+    async def _gather(self, kind: _Kind) -> None:
+        """Wait briefly for the callers of the last step that have not sent their next call yet."""
+        expected = min(kind.last_served, self.max_groups)
+        if self.max_gather_s <= 0 or len(kind.pending) >= expected:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(self.max_gather_s, self.gather_ratio * kind.last_step_s)
+        self.gather_waits += 1
+        while len(kind.pending) < expected:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            kind.arrived.clear()
+            try:
+                await asyncio.wait_for(kind.arrived.wait(), remaining)
+            except TimeoutError:
+                return
+
     async def _batch_step(self, kind: _Kind) -> None:
+        await self._gather(kind)
         taken: list[_Submission] = []
         while kind.pending and len(taken) < self.max_groups:
             sub = kind.pending.popleft()
@@ -170,10 +205,14 @@ class StepScheduler:
                 self.before_step()
             return kind.fn(groups)
 
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             outcomes = await self.worker.run(step)
         except Exception as exc:
             outcomes = [exc] * len(taken)
+        kind.last_step_s = loop.time() - started
+        kind.last_served = sum(1 for o in outcomes if o is not DEFER and not isinstance(o, BaseException))
         self.steps += 1
         self.batched_groups += len(taken)
         self.max_groups_seen = max(self.max_groups_seen, len(taken))

@@ -147,3 +147,39 @@ def test_cancelled_calls_cost_nothing() -> None:
 
     run(main())
     assert calls == ["kept"]
+
+
+@pytest.mark.parametrize("gather_ms", [0.0, 50.0])
+def test_a_step_waits_briefly_for_the_callers_of_the_last_step(gather_ms: float) -> None:
+    """Four callers, each sending its next call 3-12 ms after its answer (as the gateway does between rounds).
+
+    Without gathering the first one back starts a step alone and the others queue behind it, so steps split;
+    with it, every round is one step of all four.
+    """
+    import time
+
+    sizes: list[int] = []
+
+    def verify(groups):
+        sizes.append(len(groups))
+        time.sleep(0.03)  # a forward pass
+        return [list(g) for g in groups]
+
+    async def caller(scheduler: StepScheduler, i: int) -> None:
+        for _ in range(5):
+            await scheduler.batched("verify", [i])
+            await asyncio.sleep(0.003 * (i + 1))
+
+    async def main():
+        scheduler = StepScheduler(EngineWorker(), max_gather_s=gather_ms / 1e3)
+        scheduler.register("verify", verify)
+        async with engine_busy(scheduler):
+            tasks = [asyncio.create_task(caller(scheduler, i)) for i in range(4)]
+        await asyncio.gather(*tasks)
+
+    run(main())
+    assert sum(sizes) == 20
+    if gather_ms:
+        assert sizes == [4] * 5
+    else:
+        assert len(sizes) > 5 and sizes.count(4) < 5

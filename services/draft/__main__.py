@@ -29,7 +29,7 @@ async def _serve(settings: DraftSettings) -> None:
         service = DraftService(
             drafter, settings.max_sessions, settings.session_idle_timeout_s, n_vocab, n_ctx, settings.prefix_cache
         )
-        servicer.attach(service, engine, settings.max_batch)
+        servicer.attach(service, engine, settings.max_batch, settings.batch_wait_ms)
 
     await serve_service(
         settings,

@@ -25,9 +25,13 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.scheduler: StepScheduler | None = None
         self._background: set[asyncio.Task] = set()
 
-    def attach(self, service: DraftService, engine: Engine | None, max_batch: int = 64) -> None:
+    def attach(
+        self, service: DraftService, engine: Engine | None, max_batch: int = 64, batch_wait_ms: float = 20.0
+    ) -> None:
         """Start serving: proposals of all sessions waiting at a step run in one batch."""
-        scheduler = StepScheduler(self.worker, before_step=service.reclaim, max_groups=max_batch)
+        scheduler = StepScheduler(
+            self.worker, before_step=service.reclaim, max_groups=max_batch, max_gather_s=batch_wait_ms / 1e3
+        )
         scheduler.register("propose", service.propose_groups)
         self.engine = engine
         self.scheduler = scheduler

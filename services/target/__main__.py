@@ -28,7 +28,7 @@ async def serve_target(settings: TargetSettings, configure: Callable[[Verifier],
         verifier = Verifier(engine, settings.session_idle_timeout_s, settings.verify_mode, settings.prefix_cache)
         if configure is not None:
             configure(verifier)
-        servicer.attach(verifier, settings.max_batch)
+        servicer.attach(verifier, settings.max_batch, settings.batch_wait_ms)
 
     await serve_service(
         settings,

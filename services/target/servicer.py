@@ -34,9 +34,11 @@ class TargetServicer(pb_grpc.TargetServicer):
         self.scheduler: StepScheduler | None = None
         self._background: set[asyncio.Task] = set()
 
-    def attach(self, verifier: Verifier, max_batch: int = 64) -> None:
+    def attach(self, verifier: Verifier, max_batch: int = 64, batch_wait_ms: float = 20.0) -> None:
         """Start serving with a loaded model."""
-        scheduler = StepScheduler(self.worker, before_step=verifier.reclaim, max_groups=max_batch)
+        scheduler = StepScheduler(
+            self.worker, before_step=verifier.reclaim, max_groups=max_batch, max_gather_s=batch_wait_ms / 1e3
+        )
         scheduler.register("verify", verifier.verify_groups)
         self.scheduler = scheduler
         self.verifier = verifier
