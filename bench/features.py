@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -71,10 +72,18 @@ class Stacks:
         self.procs.clear()
 
 
+#: Send plain completions instead of chat (models without a chat template, e.g. bench/random_gguf.py's).
+RAW_PROMPTS = False
+
+
 async def chat(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int, **extra) -> dict:
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
+    endpoint = "chat/completions"
+    if RAW_PROMPTS:
+        body["prompt"] = "\n\n".join(m["content"] for m in body.pop("messages"))
+        endpoint = "completions"
     t0 = time.perf_counter()
-    response = await client.post(f"{url}/v1/chat/completions", json=body, timeout=900)
+    response = await client.post(f"{url}/v1/{endpoint}", json=body, timeout=900)
     response.raise_for_status()
     data = response.json()
     data["wall_s"] = time.perf_counter() - t0
@@ -82,20 +91,26 @@ async def chat(client: httpx.AsyncClient, url: str, messages: list[dict], max_to
 
 
 def text_of(reply: dict) -> str:
-    return reply["choices"][0]["message"]["content"]
+    choice = reply["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
 
 
 # ------------------------------------------------------------------------------------------------ batching
 
 
-async def batching(stacks: Stacks, threads: str, max_tokens: int, rounds: int) -> list[dict]:
-    """Aggregate tok/s at concurrency 1 and 8, batching on and off, target-only and n-gram speculation."""
+async def batching(
+    stacks: Stacks, threads: str, max_tokens: int, rounds: int, target_args: list[str] | None = None
+) -> list[dict]:
+    """Aggregate tok/s at concurrency 1 and 8, batching on and off, target-only and n-gram speculation.
+
+    `target_args` places the target elsewhere (e.g. `--model X --n-gpu-layers -1 --device cuda:0`).
+    """
     prompts = SHORT_PROMPTS[:PROMPTS_PER_STREAM]
     urls = {}
     for name, extra in (("on", []), ("off", ["--max-batch", "1"])):
         log(f"starting the batching-{name} stack ...")
         common = ["--no-prefix-cache", "--max-sessions", "16", "--n-ctx", "32768", *extra]
-        target = stacks.service("services.target", ["--n-threads", threads, *common])
+        target = stacks.service("services.target", ["--n-threads", threads, *common, *(target_args or [])])
         draft = stacks.service("services.draft", ["--drafter", "ngram", *common])
         urls[name] = stacks.gateway(target, draft, "--max-concurrent", "16")
     rows = []
@@ -343,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", default="batching,prefix,ttft,overlap")
     parser.add_argument("--threads", default="2", help="target threads (batching, prefix, ttft sections)")
+    parser.add_argument("--raw-prompts", action="store_true", help="plain completions (models without a template)")
+    parser.add_argument(
+        "--target-args", default="", help="batching section: extra target flags (model, GPU layers, device)"
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
@@ -353,9 +372,13 @@ def main(argv: list[str] | None = None) -> int:
     stacks = Stacks(log_dir)
     rows: list[dict] = []
     sections = args.sections.split(",")
+    global RAW_PROMPTS
+    RAW_PROMPTS = args.raw_prompts
     try:
         if "batching" in sections:
-            rows += asyncio.run(batching(stacks, args.threads, args.max_tokens, args.reps))
+            rows += asyncio.run(
+                batching(stacks, args.threads, args.max_tokens, args.reps, shlex.split(args.target_args))
+            )
         if "prefix" in sections:
             rows += asyncio.run(prefix(stacks, args.threads, args.reps + 1))
         if "ttft" in sections:

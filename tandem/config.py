@@ -137,9 +137,14 @@ class DraftSettings(ServiceSettings):
 
     port: int = Field(50052, ge=0, le=65535, description="gRPC port (0 = pick a free one and print it)")
     drafter: Literal["ngram", "model"] = Field("ngram", description="model: a small GGUF; ngram: prompt lookup")
-    ngram_max: int = Field(8, ge=1, le=32, description="n-gram drafter: longest suffix to match")
+    ngram_max: int = Field(16, ge=1, le=32, description="n-gram drafter: longest suffix to look up")
     ngram_min: int = Field(
-        3, ge=1, le=32, description="n-gram drafter: shortest suffix to match (shorter matches draft noise)"
+        2, ge=1, le=32, description="n-gram drafter: shortest suffix to match (shorter matches draft noise)"
+    )
+    ngram_scaled: bool = Field(
+        True,
+        description="n-gram drafter: a suffix matched over m tokens drafts at most m - 1 tokens (off: always the"
+        " full draft length)",
     )
     draft_support: int = Field(
         256, ge=1, le=4096, description="model drafter, sampling: tokens kept in the draft distribution it sends"

@@ -131,7 +131,7 @@ def test_index_never_contains_the_final_suffix() -> None:
 
 
 def test_drafter_open_and_propose() -> None:
-    drafter = NgramDrafter()
+    drafter = NgramDrafter(scaled=False)
     session = make_session([5, 6, 7, 5, 6])
     drafter.open([session])
     assert isinstance(session.extra, NgramIndex)
@@ -147,7 +147,7 @@ def test_drafter_non_positive_max_tokens(max_tokens: int) -> None:
 
 
 def test_drafter_appended_indexes_new_tokens() -> None:
-    drafter = NgramDrafter()
+    drafter = NgramDrafter(scaled=False)
     session = make_session([1, 2, 3])
     drafter.open([session])
     assert drafter.propose(session, 4).tokens == []
@@ -160,7 +160,7 @@ def test_drafter_appended_indexes_new_tokens() -> None:
 
 
 def test_drafter_truncated_forgets_removed_tokens() -> None:
-    drafter = NgramDrafter()
+    drafter = NgramDrafter(scaled=False)
     session = make_session([1, 2, 3, 1, 2, 99, 1, 2])
     drafter.open([session])
     # Latest earlier (1, 2) is at 3-4, followed by the soon-removed 99.
@@ -182,10 +182,44 @@ def test_drafter_truncated_forgets_removed_tokens() -> None:
 
 
 def test_drafter_sessions_have_independent_indexes() -> None:
-    drafter = NgramDrafter(n_min=1, n_max=2)
+    drafter = NgramDrafter(n_min=1, n_max=2, scaled=False)
     a = make_session([1, 2, 1])
     b = make_session([1, 3, 1])
     drafter.open([a, b])
     assert a.extra is not b.extra
     assert drafter.propose(a, 1).tokens == [2]
     assert drafter.propose(b, 1).tokens == [3]
+
+
+# --- match lengths and the confidence rule ------------------------------------------------------------------------
+
+
+def test_match_counts_the_exact_length_beyond_the_indexed_n() -> None:
+    # The suffix 10..19 (10 tokens) occurred at 0-9, followed by 77. Only n in {1..4, 6, 8} is indexed with
+    # n_max=8, but the match is counted token by token: 10.
+    tokens = [*range(10, 20), 77, 5, *range(10, 20)]
+    index = index_of(tokens, 1, 8)
+    assert 10 not in index.follow and 8 in index.follow
+    assert index.match(tokens) == (10, 10)
+    # A different token before the suffix stops the count: 3 tokens match.
+    assert index_of([1, 2, 3, 9, 4, 2, 3], 1, 8).match([1, 2, 3, 9, 4, 2, 3]) == (3, 2)
+
+
+def test_match_without_occurrence() -> None:
+    assert index_of([1, 2, 3]).match([1, 2, 3]) == (-1, 0)
+
+
+@pytest.mark.parametrize(("suffix_len", "expected_len"), [(1, 0), (2, 1), (3, 2), (5, 4), (12, 6)])
+def test_scaled_drafter_drafts_one_less_than_the_match(suffix_len: int, expected_len: int) -> None:
+    # A run of 40 distinct tokens, then a filler, then its first `suffix_len` tokens again: the match is
+    # suffix_len long and is followed by the rest of the run.
+    run = list(range(100, 140))
+    tokens = [*run, 7, *run[:suffix_len]]
+    drafter = NgramDrafter(n_min=1, n_max=16)
+    session = make_session(tokens)
+    drafter.open([session])
+    proposal = drafter.propose(session, 6).tokens
+    assert proposal == run[suffix_len : suffix_len + expected_len]
+    unscaled = NgramDrafter(n_min=1, n_max=16, scaled=False)
+    unscaled.open([session])
+    assert unscaled.propose(session, 6).tokens == run[suffix_len : suffix_len + 6]

@@ -90,6 +90,13 @@ synth-setup)
   df -h /tmp | tail -1; ls -la /tmp/models; [ -n "${SKIP_PEER:-}" ] || ls -la "$W/ls-build/bin/llama-server"
   python3 -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())'
   ;;
+features-gpu)
+  # Issue 7 on the GPU: continuous batching, 8 streams against 1, target on GPU 0. SHAPE=8b (a random-weight model
+  # from synth-setup, MODELS="8b/21"): the text means nothing, but every forward pass costs what a real one does.
+  python3 -m bench.features --sections batching --raw-prompts --reps "${REPS:-2}" --max-tokens "${MAXTOK:-128}" \
+    --threads 4 --target-args "--model /tmp/models/${SHAPE:-8b}.gguf --n-gpu-layers -1 --device cuda:0" \
+    --out "$OUT/features-${SHAPE:-8b}" 2>&1 | grep -v '^features:' | tail -20
+  ;;
 synth-bench)
   # Issue 8: PAIRS=70b:1b ONLY=both|tandem|peer; results to $OUT.
   python3 -m bench.gpu.synth --models /tmp/models --pairs "${PAIRS:-70b:1b}" --placements "${PLACES:-GPU 1,same GPU,CPU}" \

@@ -25,7 +25,7 @@ async def _serve(settings: DraftSettings) -> None:
             drafter = ModelDrafter(engine, settings.draft_support)
             n_vocab, n_ctx = engine.n_vocab, engine.n_ctx
         else:
-            drafter = NgramDrafter(settings.ngram_min, settings.ngram_max)
+            drafter = NgramDrafter(settings.ngram_min, settings.ngram_max, settings.ngram_scaled)
         service = DraftService(
             drafter, settings.max_sessions, settings.session_idle_timeout_s, n_vocab, n_ctx, settings.prefix_cache
         )
