@@ -113,8 +113,8 @@ class Engine:
         cparams.flash_attn_type = _FLASH_ATTN[settings.flash_attn]
         cparams.type_k = _GGML_TYPES[settings.cache_type_k]
         cparams.type_v = _GGML_TYPES[settings.cache_type_v]
-        # Default: a KV slice per session, so each session's numerics are independent of the others (batch invariance).
-        cparams.kv_unified = settings.kv_unified
+        # CPU default: a KV slice per session, so each session's numerics are independent of the others.
+        cparams.kv_unified = settings.resolved_kv_unified(on_gpu=_detect_backend(settings)[0] != "CPU")
         cparams.no_perf = True
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:
