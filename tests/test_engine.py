@@ -63,3 +63,11 @@ def test_prefill_in_chunks_equals_one_pass(engine: Engine) -> None:
     engine.clear(0)
     (whole,) = engine.decode([DecodeItem(0, prompt, 0, "last")])
     np.testing.assert_array_equal(chunked, whole)
+
+
+@pytest.mark.parametrize(
+    ("setting", "on_gpu", "unified"),
+    [("auto", False, False), ("auto", True, True), ("on", False, True), ("off", True, False)],
+)
+def test_kv_layout_auto_shares_the_buffer_only_on_a_gpu(setting: str, on_gpu: bool, unified: bool) -> None:
+    assert EngineSettings(kv_unified=setting).resolved_kv_unified(on_gpu) is unified
