@@ -159,6 +159,55 @@ async def batching(
     return rows
 
 
+async def load_adaptation(stacks: Stacks, threads: str, max_tokens: int, rounds: int) -> list[dict]:
+    """Adaptive k under load: draft length chosen and aggregate tok/s, 1 stream vs 8, against a fixed k=8.
+
+    Under load the target's step is shared, so an extra draft token costs every session in the step; the adaptive
+    policy should then draft less. The n-gram drafter, batching on.
+    """
+    prompts = SHORT_PROMPTS[:PROMPTS_PER_STREAM]
+    log("starting the load-adaptation stack ...")
+    common = ["--no-prefix-cache", "--max-sessions", "16", "--n-ctx", "32768"]
+    target = stacks.service("services.target", ["--n-threads", threads, *common])
+    draft = stacks.service("services.draft", ["--drafter", "ngram", *common])
+    url = stacks.gateway(target, draft, "--max-concurrent", "16")
+    modes = (("fixed k=8", {"speculative.n_max": 8}), ("adaptive k<=8", {"speculative.n_max": 8,
+             "speculative.adaptive": True}))  # fmt: skip
+    samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    async with httpx.AsyncClient() as client:
+        for r in range(rounds):
+            for name, spec in modes if r % 2 == 0 else reversed(modes):
+                for streams in (1, 8):
+                    log(f"load adaptation {name}, {streams} stream(s), round {r + 1} ...")
+                    t0 = time.perf_counter()
+                    if streams == 1:
+                        replies = [await chat(client, url, [{"role": "user", "content": p}], max_tokens, **spec)
+                                   for p in prompts]  # fmt: skip
+                    else:
+                        replies = await asyncio.gather(
+                            *(chat(client, url, [{"role": "user", "content": p}], max_tokens, **spec) for p in prompts)
+                        )
+                    wall = time.perf_counter() - t0
+                    tokens = sum(a["usage"]["completion_tokens"] for a in replies)
+                    lengths = [a["timings"].get("draft_length_mean") for a in replies]
+                    lengths = [x for x in lengths if x is not None]
+                    mean_k = statistics.mean(lengths) if lengths else 0.0
+                    samples.setdefault((name, streams), []).append((tokens / wall, mean_k))
+    stacks.stop()
+    rows = []
+    for (name, streams), values in samples.items():
+        rows.append(
+            {
+                "section": "load",
+                "mode": name,
+                "streams": streams,
+                "tok_s": round(statistics.median(v[0] for v in values), 1),
+                "draft_length_asked": round(statistics.mean(v[1] for v in values), 2),
+            }
+        )
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------ prefix reuse
 
 
@@ -379,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += asyncio.run(
                 batching(stacks, args.threads, args.max_tokens, args.reps, shlex.split(args.target_args))
             )
+        if "load" in sections:
+            rows += asyncio.run(load_adaptation(stacks, args.threads, args.max_tokens, args.reps))
         if "prefix" in sections:
             rows += asyncio.run(prefix(stacks, args.threads, args.reps + 1))
         if "ttft" in sections:
