@@ -98,6 +98,24 @@ def text_of(reply: dict) -> str:
 # ------------------------------------------------------------------------------------------------ batching
 
 
+def ngram_stack(stacks: Stacks, threads: str, extra: list[str], target_args: list[str] | None = None) -> str:
+    """Target + n-gram draft + gateway sized for 8 concurrent streams; returns the gateway URL."""
+    common = ["--no-prefix-cache", "--max-sessions", "16", "--n-ctx", "32768", *extra]
+    target = stacks.service("services.target", ["--n-threads", threads, *common, *(target_args or [])])
+    draft = stacks.service("services.draft", ["--drafter", "ngram", *common])
+    return stacks.gateway(target, draft, "--max-concurrent", "16")
+
+
+async def streams_of(
+    client: httpx.AsyncClient, url: str, prompts: list[str], max_tokens: int, spec: dict, concurrent: bool
+) -> tuple[list[dict], float]:
+    """One chat request per prompt, one after another or all at once; the replies and the wall time."""
+    t0 = time.perf_counter()
+    calls = (chat(client, url, [{"role": "user", "content": p}], max_tokens, **spec) for p in prompts)
+    replies = list(await asyncio.gather(*calls)) if concurrent else [await call for call in calls]
+    return replies, time.perf_counter() - t0
+
+
 async def batching(
     stacks: Stacks, threads: str, max_tokens: int, rounds: int, target_args: list[str] | None = None
 ) -> list[dict]:
@@ -109,10 +127,7 @@ async def batching(
     urls = {}
     for name, extra in (("on", []), ("off", ["--max-batch", "1"])):
         log(f"starting the batching-{name} stack ...")
-        common = ["--no-prefix-cache", "--max-sessions", "16", "--n-ctx", "32768", *extra]
-        target = stacks.service("services.target", ["--n-threads", threads, *common, *(target_args or [])])
-        draft = stacks.service("services.draft", ["--drafter", "ngram", *common])
-        urls[name] = stacks.gateway(target, draft, "--max-concurrent", "16")
+        urls[name] = ngram_stack(stacks, threads, extra, target_args)
     rows = []
     async with httpx.AsyncClient() as client:
         for mode, spec in (
@@ -121,25 +136,16 @@ async def batching(
         ):
             samples: dict[tuple[str, int], list[float]] = {}
             same: dict[str, list[bool]] = {"on": [], "off": []}
-            singles: dict[str, list[str]] = {}
             for r in range(rounds):
                 for name, url in urls.items() if r % 2 == 0 else reversed(urls.items()):
                     log(f"batching {mode}, stack {name}, round {r + 1}: 1 stream ...")
-                    t0 = time.perf_counter()
-                    alone = [await chat(client, url, [{"role": "user", "content": p}], max_tokens, **spec)
-                             for p in prompts]  # fmt: skip
-                    wall1 = time.perf_counter() - t0
+                    alone, wall1 = await streams_of(client, url, prompts, max_tokens, spec, concurrent=False)
                     log(f"batching {mode}, stack {name}, round {r + 1}: {len(prompts)} streams ...")
-                    t0 = time.perf_counter()
-                    together = await asyncio.gather(
-                        *(chat(client, url, [{"role": "user", "content": p}], max_tokens, **spec) for p in prompts)
-                    )
-                    wall8 = time.perf_counter() - t0
+                    together, wall8 = await streams_of(client, url, prompts, max_tokens, spec, concurrent=True)
                     tokens1 = sum(a["usage"]["completion_tokens"] for a in alone)
                     tokens8 = sum(a["usage"]["completion_tokens"] for a in together)
                     samples.setdefault((name, 1), []).append(tokens1 / wall1)
                     samples.setdefault((name, 8), []).append(tokens8 / wall8)
-                    singles.setdefault(name, [text_of(a) for a in alone])
                     same[name] += [text_of(a) == text_of(b) for a, b in zip(alone, together, strict=True)]
             for name in urls:
                 one = statistics.median(samples[(name, 1)])
@@ -167,10 +173,7 @@ async def load_adaptation(stacks: Stacks, threads: str, max_tokens: int, rounds:
     """
     prompts = SHORT_PROMPTS[:PROMPTS_PER_STREAM]
     log("starting the load-adaptation stack ...")
-    common = ["--no-prefix-cache", "--max-sessions", "16", "--n-ctx", "32768"]
-    target = stacks.service("services.target", ["--n-threads", threads, *common])
-    draft = stacks.service("services.draft", ["--drafter", "ngram", *common])
-    url = stacks.gateway(target, draft, "--max-concurrent", "16")
+    url = ngram_stack(stacks, threads, [])
     modes = (("fixed k=8", {"speculative.n_max": 8}), ("adaptive k<=8", {"speculative.n_max": 8,
              "speculative.adaptive": True}))  # fmt: skip
     samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
@@ -179,15 +182,7 @@ async def load_adaptation(stacks: Stacks, threads: str, max_tokens: int, rounds:
             for name, spec in modes if r % 2 == 0 else reversed(modes):
                 for streams in (1, 8):
                     log(f"load adaptation {name}, {streams} stream(s), round {r + 1} ...")
-                    t0 = time.perf_counter()
-                    if streams == 1:
-                        replies = [await chat(client, url, [{"role": "user", "content": p}], max_tokens, **spec)
-                                   for p in prompts]  # fmt: skip
-                    else:
-                        replies = await asyncio.gather(
-                            *(chat(client, url, [{"role": "user", "content": p}], max_tokens, **spec) for p in prompts)
-                        )
-                    wall = time.perf_counter() - t0
+                    replies, wall = await streams_of(client, url, prompts, max_tokens, spec, concurrent=streams > 1)
                     tokens = sum(a["usage"]["completion_tokens"] for a in replies)
                     lengths = [a["timings"].get("draft_length_mean") for a in replies]
                     lengths = [x for x in lengths if x is not None]
