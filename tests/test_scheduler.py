@@ -18,6 +18,13 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def verify_scheduler(verify, **options) -> StepScheduler:
+    """A scheduler on a real engine thread with `verify` registered as the batched kind "verify"."""
+    scheduler = StepScheduler(EngineWorker(), **options)
+    scheduler.register("verify", verify)
+    return scheduler
+
+
 @contextlib.asynccontextmanager
 async def engine_busy(scheduler: StepScheduler) -> AsyncIterator[None]:
     """Hold the engine thread with a job; calls made inside the block wait, and run once it is released."""
@@ -40,8 +47,7 @@ def test_calls_waiting_for_the_engine_run_as_one_step() -> None:
         return [[x * 10 for x in g] for g in groups]
 
     async def main():
-        scheduler = StepScheduler(EngineWorker())
-        scheduler.register("verify", verify)
+        scheduler = verify_scheduler(verify)
         async with engine_busy(scheduler):  # when the engine is free, all five waiting calls go in one step
             calls = [asyncio.create_task(scheduler.batched("verify", [i, i + 100])) for i in range(5)]
         return scheduler, await asyncio.gather(*calls)
@@ -60,8 +66,7 @@ def test_max_groups_one_turns_batching_off() -> None:
         return [list(g) for g in groups]
 
     async def main():
-        scheduler = StepScheduler(EngineWorker(), max_groups=1)
-        scheduler.register("verify", verify)
+        scheduler = verify_scheduler(verify, max_groups=1)
         await asyncio.gather(*(scheduler.batched("verify", [i]) for i in range(4)))
 
     run(main())
@@ -84,8 +89,7 @@ def test_a_failing_call_fails_alone_and_a_deferred_one_runs_next_step() -> None:
         return out
 
     async def main():
-        scheduler = StepScheduler(EngineWorker())
-        scheduler.register("verify", verify)
+        scheduler = verify_scheduler(verify)
         async with engine_busy(scheduler):
             good = asyncio.create_task(scheduler.batched("verify", ["good"]))
             bad = asyncio.create_task(scheduler.batched("verify", ["bad"]))
@@ -114,8 +118,7 @@ def test_chunked_job_lets_waiting_calls_run_between_its_steps() -> None:
         return [["v"] for _ in groups]
 
     async def main():
-        scheduler = StepScheduler(EngineWorker())
-        scheduler.register("verify", verify)
+        scheduler = verify_scheduler(verify)
         job = asyncio.create_task(scheduler.job(prefill))
         await asyncio.sleep(0)
         results = []
@@ -136,8 +139,7 @@ def test_cancelled_calls_cost_nothing() -> None:
         return [["ok"] for _ in groups]
 
     async def main():
-        scheduler = StepScheduler(EngineWorker())
-        scheduler.register("verify", verify)
+        scheduler = verify_scheduler(verify)
         async with engine_busy(scheduler):
             gone = asyncio.create_task(scheduler.batched("verify", ["gone"]))
             kept = asyncio.create_task(scheduler.batched("verify", ["kept"]))
@@ -171,8 +173,7 @@ def test_a_step_waits_briefly_for_the_callers_of_the_last_step(gather_ms: float)
             await asyncio.sleep(0.003 * (i + 1))
 
     async def main():
-        scheduler = StepScheduler(EngineWorker(), max_gather_s=gather_ms / 1e3)
-        scheduler.register("verify", verify)
+        scheduler = verify_scheduler(verify, max_gather_s=gather_ms / 1e3)
         async with engine_busy(scheduler):
             tasks = [asyncio.create_task(caller(scheduler, i)) for i in range(4)]
         await asyncio.gather(*tasks)
