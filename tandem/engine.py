@@ -114,7 +114,8 @@ class Engine:
         cparams.type_k = _GGML_TYPES[settings.cache_type_k]
         cparams.type_v = _GGML_TYPES[settings.cache_type_v]
         # CPU default: a KV slice per session, so each session's numerics are independent of the others.
-        cparams.kv_unified = settings.resolved_kv_unified(on_gpu=_detect_backend(settings)[0] != "CPU")
+        self.backend, self.device = _detect_backend(settings)
+        cparams.kv_unified = settings.resolved_kv_unified(on_gpu=self.backend != "CPU")
         cparams.no_perf = True
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:
@@ -136,7 +137,6 @@ class Engine:
         self.architecture = _meta(self._model, "general.architecture")
         template = llama_cpp.llama_model_chat_template(self._model, None)
         self.chat_template = template.decode("utf-8", "replace") if template else ""
-        self.backend, self.device = _detect_backend(settings)
         self.pieces = [self._piece(t, special=False) for t in range(self.n_vocab)]
         self.eog_ids = [t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)]
         self._eog = set(self.eog_ids)
