@@ -66,8 +66,9 @@ class Stack:
                     proc.kill()
 
 
-def start_tandem(args: argparse.Namespace, log_dir: Path, stack: Stack) -> tuple[str, dict[str, str]]:
-    """Target, n-gram draft and (unless disabled) model draft, each with a gateway. Returns the gateway URLs."""
+def start_tandem(args: argparse.Namespace, log_dir: Path, stack: Stack) -> tuple[str, str, dict[str, str]]:
+    """Target, n-gram draft and (unless disabled) model draft, each with a gateway. Returns the gateway URLs:
+    local n-gram, n-gram service, model drafts by placement."""
     model = ["--model", args.model] if args.model else []
     draft_model = ["--model", args.draft_model or args.model] if (args.draft_model or args.model) else []
     print("starting target ...", file=sys.stderr, flush=True)
@@ -75,10 +76,14 @@ def start_tandem(args: argparse.Namespace, log_dir: Path, stack: Stack) -> tuple
     target_args = ["--no-prefix-cache", *model, *shlex.split(args.target_args)]
     target = start_model_service("services.target", target_args, log_dir)
     stack.processes.append(target)
+    # The n-gram drafter runs in the gateway (--local-ngram, no Propose RPC per round); one configuration keeps the
+    # draft service, to show what the RPC costs.
+    ngram_gw = start_gateway(target.address, None, log_dir, "--n-max", "4", "--local-ngram")
+    stack.processes.append(ngram_gw)
     ngram = start_model_service("services.draft", ["--drafter", "ngram"], log_dir)
     stack.processes.append(ngram)
-    ngram_gw = start_gateway(target.address, ngram.address, log_dir, "--n-max", "4")
-    stack.processes.append(ngram_gw)
+    service_gw = start_gateway(target.address, ngram.address, log_dir, "--n-max", "4")
+    stack.processes.append(service_gw)
     model_urls: dict[str, str] = {}
     if not args.no_model_draft:
         for name, extra in placements(args):
@@ -90,7 +95,7 @@ def start_tandem(args: argparse.Namespace, log_dir: Path, stack: Stack) -> tuple
             gateway = start_gateway(target.address, draft.address, log_dir, "--n-max", "4")
             stack.processes.append(gateway)
             model_urls[name] = gateway.address
-    return ngram_gw.address, model_urls
+    return ngram_gw.address, service_gw.address, model_urls
 
 
 def placements(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -116,9 +121,10 @@ def start_peer(binary: str, extra: list[str], log_dir: Path, stack: Stack, model
 
 
 def build_configs(args: argparse.Namespace, log_dir: Path, stack: Stack, ks: list[int]) -> list[Config]:
-    ngram_url, model_urls = start_tandem(args, log_dir, stack)
+    ngram_url, service_url, model_urls = start_tandem(args, log_dir, stack)
     configs = [Config("target-only", "tandem", ngram_url, 0, "target-only")]
     configs += [Config(f"ngram k={k}", "tandem", ngram_url, k, "target-only", "ngram") for k in ks]
+    configs.append(Config(f"ngram-service k={max(ks)}", "tandem", service_url, max(ks), "target-only", "ngram"))
     if not args.no_adaptive:
         configs.append(Config(f"ngram adaptive<={max(ks)}", "tandem", ngram_url, max(ks), "target-only", "ngram", True))
     for name, url in model_urls.items():
@@ -291,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--peer-args",
-        default="-c 4096 --no-repack",
+        default="-c 4096 --no-repack -fa off",
         help="flags for every llama-server (e.g. -ngl 99); --no-repack matches tandem's engine, whose AMX repack path"
         " crashes on this CPU",
     )

@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tandem.ngram import NGRAM_MAX, NGRAM_MIN
+
 KvCacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 
 
@@ -142,9 +144,9 @@ class DraftSettings(ServiceSettings):
 
     port: int = Field(50052, ge=0, le=65535, description="gRPC port (0 = pick a free one and print it)")
     drafter: Literal["ngram", "model"] = Field("ngram", description="model: a small GGUF; ngram: prompt lookup")
-    ngram_max: int = Field(16, ge=1, le=32, description="n-gram drafter: longest suffix to look up")
+    ngram_max: int = Field(NGRAM_MAX, ge=1, le=32, description="n-gram drafter: longest suffix to look up")
     ngram_min: int = Field(
-        2, ge=1, le=32, description="n-gram drafter: shortest suffix to match (shorter matches draft noise)"
+        NGRAM_MIN, ge=1, le=32, description="n-gram drafter: shortest suffix to match (shorter matches draft noise)"
     )
     ngram_scaled: bool = Field(
         True,
@@ -165,6 +167,12 @@ class GatewaySettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="HTTP port of the OpenAI-compatible API")
     target: str = Field("127.0.0.1:50051", description="target service address")
     draft: str | None = Field("127.0.0.1:50052", description="draft service address (empty = target only)")
+    local_ngram: bool = Field(
+        False,
+        description="draft by prompt lookup inside the gateway instead of calling a draft service (--draft is then"
+        " not used): the same n-gram drafter as the service's, without a Propose RPC per round (~1 ms each on a small"
+        " CPU box)",
+    )
     model_name: str | None = Field(None, description="model id served on /v1/models (default: the target's name)")
     n_max: int = Field(8, ge=0, le=64, description="default draft tokens per round (0 = no speculation)")
     n_min: int = Field(0, ge=0, le=64, description="drafts shorter than this are not verified")

@@ -1,5 +1,7 @@
 """`make run`: the whole stack on this machine — target, draft and gateway as three processes on 127.0.0.1.
 
+(`--drafter local-ngram` drafts inside the gateway instead: two processes.)
+
 Each service is its own process (as it would be its own container), started with the settings below; the gateway
 waits for both to report SERVING. Ctrl-C stops all three, by PID.
 """
@@ -24,7 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", 8000)), help="gateway HTTP port")
     parser.add_argument("--host", default="127.0.0.1", help="gateway HTTP address")
-    parser.add_argument("--drafter", choices=["ngram", "model"], default="ngram")
+    parser.add_argument(
+        "--drafter",
+        choices=["ngram", "model", "local-ngram"],
+        default="ngram",
+        help="local-ngram: prompt lookup inside the gateway, no draft process (two processes)",
+    )
     parser.add_argument("--model", type=Path, default=None, help="target GGUF (default: embedded SmolLM2-135M)")
     parser.add_argument("--draft-model", type=Path, default=None, help="draft GGUF for --drafter model")
     parser.add_argument("--target-port", type=int, default=50051)
@@ -36,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     target_args = ["--port", str(args.target_port), "--n-threads", str(args.threads)]
     if args.model:
         target_args += ["--model", str(args.model)]
+    local = args.drafter == "local-ngram"
     draft_args = ["--port", str(args.draft_port), "--drafter", args.drafter, "--n-threads", str(args.threads)]
     if args.draft_model:
         draft_args += ["--model", str(args.draft_model)]
@@ -43,11 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         "--host", args.host, "--port", str(args.port),
         "--target", f"127.0.0.1:{args.target_port}", "--draft", f"127.0.0.1:{args.draft_port}",
     ]  # fmt: skip
-    procs = [
-        _spawn("target", "services.target", target_args, env),
-        _spawn("draft", "services.draft", draft_args, env),
-        _spawn("gateway", "services.gateway", gateway_args, env),
-    ]
+    if local:
+        gateway_args.append("--local-ngram")
+    procs = [_spawn("target", "services.target", target_args, env)]
+    if not local:
+        procs.append(_spawn("draft", "services.draft", draft_args, env))
+    procs.append(_spawn("gateway", "services.gateway", gateway_args, env))
     print(f"tandem: OpenAI API at http://{args.host}:{args.port}/v1 once /health says ok; Ctrl-C stops", flush=True)
 
     stopping = False

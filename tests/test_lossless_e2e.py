@@ -167,3 +167,29 @@ def test_same_seed_same_output_with_speculation(model_gateway: Service) -> None:
     b = _chat(model_gateway, PROMPTS[2], n_max=N_MAX, **kwargs, **body)
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
     assert a["timings"]["draft_n"] > 0
+
+
+@pytest.fixture(scope="module")
+def exact_local_gateway(exact_target: Service, service_tmp: Path) -> Iterator[Service]:
+    """Prompt lookup inside the gateway: no draft service at all."""
+    service = start_gateway(exact_target.address, None, service_tmp, "--local-ngram")
+    yield service
+    service.stop()
+
+
+def test_local_ngram_sequential_verify_is_identical(exact_local_gateway: Service) -> None:
+    """The gateway's own n-gram drafter: the text a copy-heavy prompt gets equals target-only decoding exactly."""
+    health = httpx.get(f"{exact_local_gateway.address}/health", timeout=10).json()
+    assert health["draft"]["drafter"] == "ngram" and health["draft"]["device"] == "gateway"
+    drafted = accepted = 0
+    for prompt in (PROMPTS[9], PROMPTS[4]):  # rewrite a function, reformat data: output repeats the prompt
+        plain = _chat(exact_local_gateway, prompt, n_max=0)
+        spec = _chat(exact_local_gateway, prompt, n_max=8)
+        assert spec["timings"]["speculation"] == "on"
+        assert spec["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"], prompt
+        assert [t["logprob"] for t in _tokens(spec)] == [t["logprob"] for t in _tokens(plain)], prompt
+        assert spec["timings"]["verify_calls"] < plain["timings"]["verify_calls"]  # drafts saved target passes
+        drafted += spec["timings"]["draft_n"]
+        accepted += spec["timings"]["draft_n_accepted"]
+    print(f"\nlocal n-gram, sequential verify: acceptance {accepted / drafted:.4f} over {drafted} drafted tokens")
+    assert drafted > 0 and accepted > 0

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from services.draft.drafters import Draft, NgramDrafter, NgramIndex
+from services.draft.drafters import Draft, NgramDrafter
+from tandem.ngram import NgramIndex
 from tandem.sampling import SamplingParams
 from tandem.sessions import Session
 

@@ -53,6 +53,8 @@ async def health(request: Request) -> JSONResponse:
         },
         "draft": {"drafter": info.drafter, "model": info.model_name, "device": info.device, "serving": draft_ok}
         if info
+        else {"drafter": "ngram", "model": None, "device": "gateway", "serving": True}
+        if serving.settings.local_ngram
         else None,
         "requests": {"running": serving.admission.running, "queued": serving.admission.waiting},
     }
@@ -118,7 +120,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                     settings.upstream_tls_key,
                     settings.upstream_token,
                 )
-                upstreams = await connect(settings.target, settings.draft or None, settings.startup_timeout_s, security)
+                draft = None if settings.local_ngram else settings.draft or None
+                upstreams = await connect(settings.target, draft, settings.startup_timeout_s, security)
             except Exception as exc:
                 app.state.startup_error = str(exc)
                 log.error("gateway start-up failed: %s", exc)

@@ -115,7 +115,13 @@ class Serving:
 
     def start(self, gen_req: GenerationRequest) -> Generation:
         return Generation(
-            self.up, gen_req, self.settings.rpc_timeout_s, self.metrics, self.costs, self.settings.overlap_draft
+            self.up,
+            gen_req,
+            self.settings.rpc_timeout_s,
+            self.metrics,
+            self.costs,
+            self.settings.overlap_draft,
+            self.settings.local_ngram,
         )
 
     async def deltas(self, generation: Generation, stop: Sequence[str]) -> AsyncIterator[Delta]:

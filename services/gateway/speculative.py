@@ -26,11 +26,27 @@ from opentelemetry import trace
 from services.gateway.adaptive import AcceptanceTracker, CostModel, DraftLengthPolicy, worth_drafting_ahead
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.upstream import Upstreams
+from tandem.ngram import NGRAM_MAX, NGRAM_MIN, NgramIndex, ngram_draft
 from tandem.sampling import SamplingParams
 from tandem.telemetry import carrier_for, metadata_for, tracer
 from tandem.v1 import tandem_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+
+class LocalNgram:
+    """The gateway's own prompt-lookup drafter (--local-ngram): one request's tokens and their n-gram index."""
+
+    def __init__(self, prompt_token_ids: Sequence[int]) -> None:
+        self.tokens = list(prompt_token_ids)
+        self.index = NgramIndex(NGRAM_MIN, NGRAM_MAX)
+        self.index.extend(self.tokens)
+
+    def propose(self, committed: Sequence[int], k: int) -> list[int]:
+        """Take the tokens committed since the last call, then draft up to k tokens."""
+        self.tokens.extend(committed)
+        self.index.extend(self.tokens)
+        return ngram_draft(self.index, self.tokens, k)
 
 
 @dataclass(frozen=True)
@@ -126,6 +142,7 @@ class Generation:
         metrics: GatewayMetrics | None = None,
         costs: CostModel | None = None,
         overlap: bool = True,
+        local_ngram: bool = False,
     ) -> None:
         self.up = upstreams
         self.metrics = metrics
@@ -135,11 +152,13 @@ class Generation:
         self.stats = GenerationStats(
             prompt_n=len(request.prompt_token_ids), synthetic_acceptance=upstreams.target_info.synthetic_acceptance
         )
-        self._use_draft = upstreams.draft is not None and request.n_max > 0
+        # Prompt lookup in this process (no draft service, no Propose RPC): the sequence so far and its index.
+        self._local: LocalNgram | None = LocalNgram(request.prompt_token_ids) if local_ngram else None
+        self._use_draft = (upstreams.draft is not None or self._local is not None) and request.n_max > 0
         self._draft_open = False
         self._span: trace.Span = trace.INVALID_SPAN
         info = upstreams.draft_info
-        self._model_free_draft = info is not None and info.drafter == "ngram"
+        self._model_free_draft = self._local is not None or (info is not None and info.drafter == "ngram")
         self._target_pos = self._draft_pos = self._produced = 0
         self._unsent: list[int] = []
         self._lookahead: list[int] = []
@@ -190,7 +209,7 @@ class Generation:
 
     async def _open_both(self, item: pb.OpenItem, metadata) -> pb.OpenResult:
         target_call = self.up.target.Open(pb.OpenRequest(items=[item]), timeout=self.timeout, metadata=metadata)
-        if not self._use_draft:
+        if not self._use_draft or self._local is not None:
             return (await target_call).results[0]
         draft_item = pb.OpenItem(
             session_id=self.session_id, prompt_token_ids=self.req.prompt_token_ids, sampling=self._sampling_pb()
@@ -346,6 +365,12 @@ class Generation:
         if not self._use_draft or k <= 0:
             self._ahead = None  # a plain round moves the sequence on: a draft-ahead no longer fits (state stays valid)
             return [], [], 0, 0
+        if self._local is not None:
+            d0 = time.perf_counter_ns()
+            drafts = self._local.propose(self._unsent, k)
+            self._unsent = []
+            self.stats.draft_ns += time.perf_counter_ns() - d0
+            return (drafts, [], 0, 0) if len(drafts) >= max(self.req.n_min, 1) else ([], [], 0, 0)
         if self._lookahead:
             drafts, self._lookahead = self._lookahead[:k], self._lookahead[k:]
             self.stats.lookahead_rounds += 1

@@ -1,0 +1,81 @@
+"""Prompt lookup (n-gram drafting), shared by the draft service's n-gram drafter and the gateway's local one.
+
+A sequence's suffix that occurred earlier predicts that what followed it then follows it again: cheap (microseconds
+per round, no model) and right when the output repeats the input, as code edits, quotes and reformatting do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+NGRAM_MIN = 2  # shortest suffix matched by default: a one-token match drafts noise
+NGRAM_MAX = 16  # longest suffix looked up by default
+
+INDEXED_LONG_LENGTHS = (6, 8, 12, 16, 24, 32)
+MATCH_CAP = 32
+
+
+class NgramIndex:
+    """For each indexed n: the latest position that followed each n-gram of the sequence.
+
+    Example with n=2 and tokens [5, 6, 7, 5, 6]: the suffix (5, 6) occurred before at positions 0-1 and was followed
+    by 7 (position 2), so the proposal continues 7, 5, 6, ... from there.
+
+    Every n up to 4 is indexed, longer ones sparsely (6, 8, 12, ...), so memory stays a few entries per token; the
+    exact length of a match is then measured by comparing tokens backwards (`match`).
+    """
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min, self.n_max = n_min, n_max
+        lengths = [n for n in range(n_min, n_max + 1) if n <= 4 or n in INDEXED_LONG_LENGTHS or n == n_max]
+        self.follow: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in lengths}
+        self._longest_first = sorted(self.follow, reverse=True)
+        self.indexed = 0  # tokens[:indexed] are in the index
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        # The n-gram ending just before position j is followed by tokens[j].
+        for j in range(max(self.indexed, 1), len(tokens)):
+            for n, table in self.follow.items():
+                if j >= n:
+                    table[tuple(tokens[j - n : j])] = j
+        self.indexed = len(tokens)
+
+    def match(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """(position that follows the best earlier occurrence of the sequence's suffix, matched length), or (-1, 0).
+
+        The best occurrence is the latest one of the longest indexed suffix; its matched length is then counted
+        exactly, up to MATCH_CAP tokens.
+        """
+        end = len(tokens)
+        for n in self._longest_first:
+            if n > end:
+                continue
+            j = self.follow[n].get(tuple(tokens[end - n :]))
+            if j is not None:
+                m = n
+                while m < MATCH_CAP and j - m - 1 >= 0 and tokens[j - m - 1] == tokens[end - m - 1]:
+                    m += 1
+                return j, m
+        return -1, 0
+
+    def lookup(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
+        if max_tokens <= 0:
+            return []
+        j, _ = self.match(tokens)
+        return list(tokens[j : j + max_tokens]) if j >= 0 else []
+
+
+def ngram_draft(index: NgramIndex, tokens: Sequence[int], max_tokens: int, scaled: bool = True) -> list[int]:
+    """Up to max_tokens draft tokens continuing `tokens` (already indexed), with a confidence rule when `scaled`.
+
+    A suffix matched over m tokens earns at most m - 1 draft tokens: a one- or two-token match is often a
+    coincidence, and every rejected draft token costs verify time (on a CPU about a third of a one-token step each);
+    a long match usually continues a verbatim copy. Measured offline on the benchmark's target-only texts
+    (SmolLM2-135M, this CPU's verify costs), drafting m - 1 tokens gave a mean 1.50x over the 4 greedy workloads
+    against 1.44x for a flat k=8 after a 3-token match and 1.20x for k=4 after any match.
+    """
+    j, m = index.match(tokens)
+    n = min(max_tokens, m - 1) if scaled else max_tokens
+    if j < 0 or n <= 0:
+        return []
+    return list(tokens[j : j + n])
