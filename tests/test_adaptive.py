@@ -45,8 +45,21 @@ def test_expected_tokens_follow_the_per_position_rates() -> None:
         rejected.observe(4, 0)
     assert rejected.rate(0) < 0.05
     assert rejected.expected_tokens(4) == pytest.approx(1.0, abs=0.06)
-    # Positions never reached keep the prior; a short draft is not a rejection of the positions it did not reach.
-    assert rejected.rate(1) == pytest.approx(0.5)
+    # A short draft is not a rejection of the positions it did not reach: those take the estimate of the position
+    # before them (drafts are correlated), here the first position's.
+    assert rejected.rate(1) == pytest.approx(rejected.rate(0))
+    short = AcceptanceTracker(8)
+    for _ in range(400):
+        short.observe(2, 2)
+    assert short.rate(7) == pytest.approx(short.rate(1)) and short.rate(7) > 0.95
+
+
+def test_policy_lengthens_drafts_that_are_always_accepted() -> None:
+    """A request that drafted 2 tokens a round and had every one accepted tries longer drafts when they pay."""
+    policy = DraftLengthPolicy(costs_with(10.0, 5.5), n_min=0, n_max=8)
+    for _ in range(30):
+        policy.tracker.observe(2, 2)
+    assert policy.choose(cap=100) == 8
 
 
 def test_policy_drafts_long_when_acceptance_is_high_and_tokens_are_cheap() -> None:

@@ -94,21 +94,34 @@ class AcceptanceTracker:
             if i < accepted:
                 self.accepted[i] += 1
 
+    def rates(self, k: int) -> list[float]:
+        """Estimated P(position i accepted | positions before it accepted) for i < k (0-based).
+
+        Each position's prior is the estimate of the position before it (the first one's is PRIOR_RATE): drafts
+        are correlated, so a position never reached yet is assumed as safe as the last one seen. With a fixed prior
+        instead, a request that drafted short kept the prior's 0.5 at every longer position and never chose to draft
+        longer, even at 99% acceptance (the n-gram drafter on code edits: mean 3.7 tokens a round against 4.8 fixed).
+        """
+        out, prior = [], PRIOR_RATE
+        for i in range(min(k, self.n_max)):
+            prior = (self.accepted[i] + prior * PRIOR_WEIGHT) / (self.reached[i] + PRIOR_WEIGHT)
+            out.append(prior)
+        return out + [prior] * (k - len(out))
+
     def rate(self, i: int) -> float:
-        """Estimated P(position i accepted | positions before it accepted), 0-based."""
-        return (self.accepted[i] + PRIOR_RATE * PRIOR_WEIGHT) / (self.reached[i] + PRIOR_WEIGHT)
+        return self.rates(i + 1)[i]
 
     def all_pass(self, k: int) -> float:
         """Estimated probability that positions 0..k-1 are all accepted."""
         p = 1.0
-        for i in range(k):
-            p *= self.rate(min(i, self.n_max - 1))
+        for r in self.rates(k):
+            p *= r
         return p
 
     def expected_tokens(self, k: int) -> float:
         total, survive = 1.0, 1.0
-        for i in range(k):
-            survive *= self.rate(i)
+        for r in self.rates(k):
+            survive *= r
             total += survive
         return total
 
@@ -141,10 +154,12 @@ class DraftLengthPolicy:
             k = hi if self._explore % 2 else max(min(lo, hi), hi // 2)
         else:
             best_k, best_rate = 0, 1.0 / self.costs.round_ns(0)
-            for k in range(lo, hi + 1):
-                rate = self.tracker.expected_tokens(k) / self.costs.round_ns(k)
-                if rate > best_rate:
-                    best_k, best_rate = k, rate
+            expected, survive = 1.0, 1.0
+            for k, r in enumerate(self.tracker.rates(hi), start=1):
+                survive *= r
+                expected += survive  # = tracker.expected_tokens(k)
+                if k >= lo and expected / self.costs.round_ns(k) > best_rate:
+                    best_k, best_rate = k, expected / self.costs.round_ns(k)
             k = best_k
         if k == 0:
             self._plain_rounds += 1
@@ -169,4 +184,8 @@ def worth_drafting_ahead(tracker: AcceptanceTracker, k: int) -> bool:
     if k <= 0:
         return False
     # The guess is one more position; drafts of length k never reach it, so its rate is taken from position k-1.
-    return tracker.all_pass(k) * tracker.rate(min(k - 1, tracker.n_max - 1)) >= OVERLAP_MIN_HIT
+    rates = tracker.rates(k)
+    hit = rates[-1]
+    for r in rates:
+        hit *= r
+    return hit >= OVERLAP_MIN_HIT
