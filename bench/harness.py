@@ -120,13 +120,30 @@ def start_peer(binary: str, extra: list[str], log_dir: Path, stack: Stack, model
     return f"http://127.0.0.1:{port}"
 
 
-def build_configs(args: argparse.Namespace, log_dir: Path, stack: Stack, ks: list[int]) -> list[Config]:
+# llama-server's n-gram drafters ignore --spec-draft-n-max (that is the draft model's); each has its own lengths.
+PEER_NGRAM_DEFAULTS = {
+    "ngram-simple": "defaults: 12-gram lookup, 48-token drafts",
+    "ngram-mod": "defaults: 24-token match, drafts of 48-64",
+}
+
+
+def peer_ngram_flags(kind: str, k: int) -> list[str]:
+    """llama-server flags for its n-gram drafter `kind` drafting at most k tokens."""
+    if kind == "ngram-simple":
+        return ["--spec-ngram-simple-size-m", str(k)]
+    return ["--spec-ngram-mod-n-max", str(k), "--spec-ngram-mod-n-min", "1"]
+
+
+def build_configs(
+    args: argparse.Namespace, log_dir: Path, stack: Stack, ks: list[int], ngram_ks: list[int]
+) -> list[Config]:
     ngram_url, service_url, model_urls = start_tandem(args, log_dir, stack)
     configs = [Config("target-only", "tandem", ngram_url, 0, "target-only")]
-    configs += [Config(f"ngram k={k}", "tandem", ngram_url, k, "target-only", "ngram") for k in ks]
+    configs += [Config(f"ngram k={k}", "tandem", ngram_url, k, "target-only", "ngram") for k in ngram_ks]
     configs.append(Config(f"ngram-service k={max(ks)}", "tandem", service_url, max(ks), "target-only", "ngram"))
     if not args.no_adaptive:
-        configs.append(Config(f"ngram adaptive<={max(ks)}", "tandem", ngram_url, max(ks), "target-only", "ngram", True))
+        top = max(ngram_ks)
+        configs.append(Config(f"ngram adaptive<={top}", "tandem", ngram_url, top, "target-only", "ngram", True))
     for name, url in model_urls.items():
         configs += [Config(f"{name} k={k}", "tandem", url, k, "target-only", "model") for k in ks]
         if not args.no_adaptive:
@@ -140,12 +157,12 @@ def build_configs(args: argparse.Namespace, log_dir: Path, stack: Stack, ks: lis
         print("starting llama-server peers ...", file=sys.stderr, flush=True)
         plain = start_peer(peer, [*extra], log_dir, stack, model)
         configs.append(Config("llama-server", "llama-server", plain, None, "llama-server"))
-        for kind in ("ngram-simple", "ngram-mod"):
-            for k in ks:
-                url = start_peer(
-                    peer, [*extra, "--spec-type", kind, "--spec-draft-n-max", str(k)], log_dir, stack, model
-                )
-                configs.append(Config(f"llama-server {kind} k={k}", "llama-server", url, None, "llama-server", "ngram"))
+        for kind, default_label in PEER_NGRAM_DEFAULTS.items():
+            for k in [*ngram_ks, None]:
+                flags = peer_ngram_flags(kind, k) if k is not None else []
+                url = start_peer(peer, [*extra, "--spec-type", kind, *flags], log_dir, stack, model)
+                name = f"llama-server {kind} k={k}" if k is not None else f"llama-server {kind} ({default_label})"
+                configs.append(Config(name, "llama-server", url, None, "llama-server", "ngram"))
         if not args.no_model_draft:
             draft = args.draft_model or model
             url = start_peer(
@@ -304,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--peer-draft-args", default="", help="extra flags for llama-server's -md draft (e.g. -ngld 99)"
     )
+    parser.add_argument(
+        "--ngram-ks",
+        default=None,
+        help="extra draft lengths for the n-gram drafters only (tandem's and llama-server's), e.g. 16,32: a drafter"
+        " that costs nothing per token can draft long copies in one round",
+    )
     parser.add_argument("--no-model-draft", action="store_true", help="skip the model drafter configurations")
     parser.add_argument("--no-adaptive", action="store_true", help="skip the adaptive draft length configurations")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<time>)")
@@ -311,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     ks = [int(k) for k in (args.ks or ("4" if args.quick else "2,4,8")).split(",")]
+    ngram_ks = sorted({*ks, *(int(k) for k in args.ngram_ks.split(",") if k)}) if args.ngram_ks else ks
     reps = args.reps or (1 if args.quick else 3)
     loads = workloads(args.quick)
     if args.workloads:
@@ -325,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 
     stack = Stack()
     try:
-        configs = build_configs(args, log_dir, stack, ks)
+        configs = build_configs(args, log_dir, stack, ks, ngram_ks)
         started = time.time()
         records = run(configs, loads, reps, args.max_tokens)
         rows = summarise(configs, loads, records)

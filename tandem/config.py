@@ -189,6 +189,13 @@ class GatewaySettings(BaseSettings):
         " did not beat the fixed default on the benchmark yet, and its timing-driven choices can flip near-ties, so"
         " the same temperature-0 request could give different text",
     )
+    plain_pipeline: int = Field(
+        2,
+        ge=1,
+        le=4,
+        description="target-only decoding: Verify calls kept in flight per request, so the target starts the next"
+        " token without waiting a round trip for the gateway (1 = one at a time)",
+    )
     max_tokens_default: int = Field(512, ge=1, description="max_tokens when the request gives none")
     rpc_timeout_s: float = Field(30.0, gt=0, description="deadline of each gRPC call")
     startup_timeout_s: float = Field(600.0, gt=0, description="how long to wait for the services at start")

@@ -50,7 +50,8 @@ def plan_step(
 
     `check(specs)` validates one call as a whole and returns (session id, cached result or None, work item) per
     spec, or raises TandemError. Returns `outcomes`, one per group: its error, DEFER (it names a session an earlier
-    group of this step already works on: it waits for the next step, where an exact retry hits the cache), or a dict
+    group of this step already works on: it waits for the next step, where an exact retry hits the cache and a call
+    queued behind it, such as the gateway's next target-only call, finds the position it expects), or a dict
     session id -> result holding the cached results, which the caller completes; and `work`, (group index, item)
     for every spec to compute.
     """
@@ -58,13 +59,13 @@ def plan_step(
     work: list[tuple[int, Any]] = []
     busy: set[str] = set()
     for g, specs in enumerate(groups):
+        if any(spec.session_id in busy for spec in specs):  # before checking: its position is the one after this step
+            outcomes.append(DEFER)
+            continue
         try:
             checked = check(specs)
         except TandemError as exc:
             outcomes.append(exc)
-            continue
-        if any(sid in busy for sid, _, _ in checked):
-            outcomes.append(DEFER)
             continue
         outcomes.append({sid: hit for sid, hit, _ in checked if hit is not None})
         for sid, hit, item in checked:

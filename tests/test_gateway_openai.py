@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -105,6 +106,40 @@ def test_stop_sequence_is_exact(client: openai.OpenAI, stream: bool) -> None:
         text = reply.choices[0].message.content
         assert reply.choices[0].finish_reason == "stop"
     assert text == expected
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_target_only_pipeline_stops_exactly_and_frees_the_session(
+    client: openai.OpenAI, target: Service, stream: bool
+) -> None:
+    """Target-only decoding keeps two Verify calls in flight: stops and max_tokens must still cut exactly, the
+    spare call's token must never show, and the session must be closed on the target afterwards."""
+    import grpc
+
+    from tandem.v1 import tandem_pb2 as pb
+    from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+    plain = {"speculative.n_max": 0}
+    args = dict(model=MODEL, messages=[{"role": "user", "content": EDIT_PROMPT}], temperature=0, extra_body=plain)
+    full = client.chat.completions.create(**args, max_tokens=120)
+    short = client.chat.completions.create(**args, max_tokens=9)
+    assert short.usage.completion_tokens == 9 and short.choices[0].finish_reason == "length"
+    assert full.choices[0].message.content.startswith(short.choices[0].message.content)
+    text = full.choices[0].message.content
+    expected = text[: text.index("count")]
+    if stream:
+        chunks = list(client.chat.completions.create(**args, max_tokens=120, stop=["count"], stream=True))
+        cut = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        cut = client.chat.completions.create(**args, max_tokens=120, stop="count").choices[0].message.content
+    assert cut == expected
+    deadline = time.monotonic() + 5  # a streamed reply can end just before the gateway's Close reaches the target
+    with grpc.insecure_channel(target.address) as channel:
+        while (active := pb_grpc.TargetStub(channel).Info(pb.InfoRequest()).active_sessions) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+    assert active == 0
 
 
 def test_max_completion_tokens_and_length(client: openai.OpenAI) -> None:

@@ -184,3 +184,35 @@ def test_a_step_waits_briefly_for_the_callers_of_the_last_step(gather_ms: float)
         assert sizes == [4] * 5
     else:
         assert len(sizes) > 5 and sizes.count(4) < 5
+
+
+def test_a_call_queued_behind_another_for_its_session_waits_for_the_next_step() -> None:
+    """Two calls for one session in one step: the second names the position after the first (the gateway keeps two
+    target-only calls in flight). It must be deferred, not checked against the position before the first runs."""
+    from dataclasses import dataclass
+
+    from tandem.errors import PositionMismatch
+    from tandem.scheduler import plan_step
+
+    @dataclass
+    class Spec:
+        session_id: str
+        position: int
+
+    positions = {"a": 5, "b": 9}
+
+    def check(specs):
+        for spec in specs:
+            if positions[spec.session_id] != spec.position:
+                raise PositionMismatch(f"{spec.session_id} is at {positions[spec.session_id]}")
+        return [(spec.session_id, None, spec) for spec in specs]
+
+    groups = [[Spec("a", 5)], [Spec("a", 6)], [Spec("b", 9)], [Spec("b", 7)]]
+    outcomes, work = plan_step(groups, check)
+    assert outcomes[1] is DEFER  # queued behind the first call for "a"
+    assert outcomes[3] is DEFER  # also deferred: checked (and refused) at the next step
+    assert [g for g, _ in work] == [0, 2]
+    positions["a"], positions["b"] = 6, 10  # the step ran
+    outcomes, work = plan_step([groups[1], groups[3]], check)
+    assert [g for g, _ in work] == [0]
+    assert isinstance(outcomes[1], PositionMismatch)

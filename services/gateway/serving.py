@@ -122,6 +122,7 @@ class Serving:
             self.costs,
             self.settings.overlap_draft,
             self.settings.local_ngram,
+            self.settings.plain_pipeline,
         )
 
     async def deltas(self, generation: Generation, stop: Sequence[str]) -> AsyncIterator[Delta]:

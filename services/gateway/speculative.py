@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +33,8 @@ from tandem.telemetry import carrier_for, metadata_for, tracer
 from tandem.v1 import tandem_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+PLAIN_PIPELINE = 2  # default target-only Verify calls in flight per request (see Generation._plain_tokens)
 
 
 class LocalNgram:
@@ -143,8 +146,10 @@ class Generation:
         costs: CostModel | None = None,
         overlap: bool = True,
         local_ngram: bool = False,
+        plain_pipeline: int = PLAIN_PIPELINE,
     ) -> None:
         self.up = upstreams
+        self.plain_pipeline = plain_pipeline
         self.metrics = metrics
         self.req = request
         self.timeout = rpc_timeout_s
@@ -266,6 +271,10 @@ class Generation:
             if opened.first_token.is_eog:
                 return
             while self._produced < self.req.max_tokens:
+                if not self._use_draft:  # target-only from here on (no draft, n_max 0, or the draft failed)
+                    async for token in self._plain_tokens():
+                        yield token
+                    return
                 k = self._choose_k()
                 round_span = self._child("round")
                 round_start = time.perf_counter_ns()
@@ -322,6 +331,42 @@ class Generation:
                 if self.stats.predicted_ns > 0 and self.stats.predicted_n > 1:
                     m.decode_rate.observe(self.stats.predicted_n / (self.stats.predicted_ns / 1e9))
             await self._close()
+
+    async def _plain_tokens(self) -> AsyncIterator[pb.Token]:
+        """Target-only decoding with `plain_pipeline` Verify calls in flight for this session.
+
+        Each call's position is known in advance (one token per call), so the next call already waits at the target
+        when a step ends and its step starts at once, instead of a gRPC round trip later (~1.3 ms against a ~14 ms
+        step on the 2-core CPU). A call past the end (end of generation, a stop sequence, a client gone) computes one
+        token nobody reads; it is cancelled here and the session is closed right after.
+        """
+        inflight: deque[asyncio.Future] = deque()
+        try:
+            while True:
+                while len(inflight) < self.plain_pipeline and self._produced + len(inflight) < self.req.max_tokens:
+                    position = self._target_pos + len(inflight)
+                    call = self._verify([], [], self._span, position=position, timed=False)
+                    inflight.append(asyncio.ensure_future(call))
+                if not inflight:
+                    return
+                round_start = time.perf_counter_ns()
+                result, timing = await inflight.popleft()
+                self._target_pos = result.position
+                round_ns = time.perf_counter_ns() - round_start
+                self.stats.verify_ns += round_ns  # the wait for each answer: the calls' own times overlap
+                self.costs.observe_verify(timing.step_tokens, timing.step_sequences, timing.forward_ns)
+                if self.metrics:
+                    self.metrics.observe_round(0, 0, round_ns, timing.forward_ns)
+                for token in result.tokens:
+                    self._emitted(token)
+                    yield token
+                    if token.is_eog or self._produced >= self.req.max_tokens:
+                        return
+        finally:
+            for call in inflight:
+                call.cancel()
+            if inflight:
+                await asyncio.gather(*inflight, return_exceptions=True)
 
     def _choose_k(self) -> int:
         cap = self.req.max_tokens - self._produced - 1
@@ -464,7 +509,13 @@ class Generation:
             self._lookahead = []
 
     async def _verify(
-        self, drafts: list[int], dists: list, round_span: trace.Span, guess: int | None = None
+        self,
+        drafts: list[int],
+        dists: list,
+        round_span: trace.Span,
+        guess: int | None = None,
+        position: int | None = None,
+        timed: bool = True,
     ) -> tuple[pb.VerifyResult, pb.Timing]:
         v0 = time.perf_counter_ns()
         span = self._child("verify", round_span)
@@ -474,7 +525,7 @@ class Generation:
                     items=[
                         pb.VerifyItem(
                             session_id=self.session_id,
-                            position=self._target_pos,
+                            position=self._target_pos if position is None else position,
                             draft_token_ids=drafts,
                             draft_distributions=dists,
                             **({"bonus_guess": guess} if guess is not None else {}),
@@ -486,7 +537,8 @@ class Generation:
             )
         finally:
             span.end()
-        self.stats.verify_ns += time.perf_counter_ns() - v0
+        if timed:
+            self.stats.verify_ns += time.perf_counter_ns() - v0
         self.stats.verify_forward_ns += reply.timing.forward_ns
         self.stats.verify_calls += 1
         return reply.results[0], reply.timing

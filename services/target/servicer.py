@@ -53,10 +53,13 @@ class TargetServicer(pb_grpc.TargetServicer):
         return self.verifier
 
     def _timing(self, t0: int, forward0: int, step=None) -> pb.Timing:
+        """The call's timing; a verify call reports the forward time of the step that served it, not of every step
+        that ran while it waited (with calls queued behind each other, that would count a step twice)."""
         assert self.verifier is not None
         timing = pb.Timing(forward_ns=self.verifier.engine.forward_ns - forward0, total_ns=time.perf_counter_ns() - t0)
         if step is not None:
             timing.step_sequences, timing.step_tokens = step.sequences, step.tokens
+            timing.forward_ns = step.forward_ns
         return timing
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:

@@ -62,6 +62,7 @@ class StepShape:
 
     sequences: int = 0
     tokens: int = 0
+    forward_ns: int = 0  # the step's time inside llama_decode
 
 
 @dataclass(frozen=True)
@@ -200,12 +201,15 @@ class Verifier:
         group of this step already verifies is deferred to the next step, where an exact retry hits the cache.
         """
         outcomes, work = plan_step(groups, self._check_group)
+        forward0 = self.engine.forward_ns
         try:
             all_rows = self._forward([item for _, item in work])
         except TandemError as exc:
             failed = {g for g, _ in work}
             return [exc if g in failed else o for g, o in enumerate(outcomes)]
-        step = StepShape(len(work), sum(len(spec.draft_tokens) + 1 for _, (_, spec) in work))
+        step = StepShape(
+            len(work), sum(len(spec.draft_tokens) + 1 for _, (_, spec) in work), self.engine.forward_ns - forward0
+        )
         for (g, (session, spec)), rows in zip(work, all_rows, strict=True):
             result = dataclasses.replace(self._accept(session, spec, rows), step=step)
             session.last_call = (("verify", spec.position, tuple(spec.draft_tokens)), result)
