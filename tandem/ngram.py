@@ -79,3 +79,18 @@ def ngram_draft(index: NgramIndex, tokens: Sequence[int], max_tokens: int, scale
     if j < 0 or n <= 0:
         return []
     return list(tokens[j : j + n])
+
+
+class PromptLookup:
+    """One sequence and its index, for a drafter that sees the tokens as they are committed (the gateway's
+    --local-ngram): `propose` takes the new tokens, then drafts."""
+
+    def __init__(self, tokens: Sequence[int], n_min: int = NGRAM_MIN, n_max: int = NGRAM_MAX) -> None:
+        self.tokens = list(tokens)
+        self.index = NgramIndex(n_min, n_max)
+        self.index.extend(self.tokens)
+
+    def propose(self, committed: Sequence[int], max_tokens: int) -> list[int]:
+        self.tokens.extend(committed)
+        self.index.extend(self.tokens)
+        return ngram_draft(self.index, self.tokens, max_tokens)

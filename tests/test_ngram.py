@@ -224,3 +224,15 @@ def test_scaled_drafter_drafts_one_less_than_the_match(suffix_len: int, expected
     unscaled = NgramDrafter(n_min=1, n_max=16, scaled=False)
     unscaled.open([session])
     assert unscaled.propose(session, 6).tokens == run[suffix_len : suffix_len + 6]
+
+
+def test_prompt_lookup_drafts_from_the_prompt_and_what_was_committed() -> None:
+    """The gateway's local drafter: drafts continue a copy of the prompt, and learn the tokens committed since."""
+    from tandem.ngram import PromptLookup
+
+    lookup = PromptLookup([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert lookup.propose([], 4) == []  # the sequence's suffix (9) occurred nowhere before
+    # 1 2 3 4 committed: a 4-token match earns at most 3 draft tokens (the confidence rule).
+    assert lookup.propose([1, 2, 3, 4], 8) == [5, 6, 7]
+    assert lookup.propose([5, 6, 7, 8], 8) == [9, 1, 2, 3, 4, 5, 6]
+    assert lookup.propose([], 2) == [9, 1]

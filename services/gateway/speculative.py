@@ -27,7 +27,7 @@ from opentelemetry import trace
 from services.gateway.adaptive import AcceptanceTracker, CostModel, DraftLengthPolicy, worth_drafting_ahead
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.upstream import Upstreams
-from tandem.ngram import NGRAM_MAX, NGRAM_MIN, NgramIndex, ngram_draft
+from tandem.ngram import PromptLookup
 from tandem.sampling import SamplingParams
 from tandem.telemetry import carrier_for, metadata_for, tracer
 from tandem.v1 import tandem_pb2 as pb
@@ -35,21 +35,6 @@ from tandem.v1 import tandem_pb2 as pb
 log = logging.getLogger(__name__)
 
 PLAIN_PIPELINE = 2  # default target-only Verify calls in flight per request (see Generation._plain_tokens)
-
-
-class LocalNgram:
-    """The gateway's own prompt-lookup drafter (--local-ngram): one request's tokens and their n-gram index."""
-
-    def __init__(self, prompt_token_ids: Sequence[int]) -> None:
-        self.tokens = list(prompt_token_ids)
-        self.index = NgramIndex(NGRAM_MIN, NGRAM_MAX)
-        self.index.extend(self.tokens)
-
-    def propose(self, committed: Sequence[int], k: int) -> list[int]:
-        """Take the tokens committed since the last call, then draft up to k tokens."""
-        self.tokens.extend(committed)
-        self.index.extend(self.tokens)
-        return ngram_draft(self.index, self.tokens, k)
 
 
 @dataclass(frozen=True)
@@ -158,7 +143,7 @@ class Generation:
             prompt_n=len(request.prompt_token_ids), synthetic_acceptance=upstreams.target_info.synthetic_acceptance
         )
         # Prompt lookup in this process (no draft service, no Propose RPC): the sequence so far and its index.
-        self._local: LocalNgram | None = LocalNgram(request.prompt_token_ids) if local_ngram else None
+        self._local: PromptLookup | None = PromptLookup(request.prompt_token_ids) if local_ngram else None
         self._use_draft = (upstreams.draft is not None or self._local is not None) and request.n_max > 0
         self._draft_open = False
         self._span: trace.Span = trace.INVALID_SPAN
@@ -412,7 +397,7 @@ class Generation:
             return [], [], 0, 0
         if self._local is not None:
             d0 = time.perf_counter_ns()
-            drafts = self._local.propose(self._unsent, k)
+            drafts = self._local.propose(self._unsent, k)  # microseconds: no RPC, no draft service
             self._unsent = []
             self.stats.draft_ns += time.perf_counter_ns() - d0
             return (drafts, [], 0, 0) if len(drafts) >= max(self.req.n_min, 1) else ([], [], 0, 0)
