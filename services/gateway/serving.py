@@ -23,6 +23,10 @@ from services.gateway.upstream import Upstreams
 from tandem.config import GatewaySettings
 from tandem.v1 import tandem_pb2 as pb
 
+# Default draft lengths when --n-max is unset, measured with the CPU benchmark (docs/benchmarks/cpu-2026-11-30-full4).
+MODEL_N_MAX = 8
+NGRAM_N_MAX = 32
+
 
 @dataclass
 class Delta:
@@ -50,6 +54,8 @@ class Serving:
         self.costs = CostModel()  # the deployment's measured step costs, shared by all requests (adaptive k)
         self.model_name = settings.model_name or upstreams.target_info.model_name
         self.context_size = upstreams.target_info.context_size
+        ngram = settings.local_ngram or (upstreams.draft_info is not None and upstreams.draft_info.drafter == "ngram")
+        self.default_n_max = settings.n_max if settings.n_max is not None else NGRAM_N_MAX if ngram else MODEL_N_MAX
 
     def check_model(self, requested: str | None) -> None:
         """Accept our own id (and a missing one); anything else is a 404 like OpenAI's."""
@@ -95,7 +101,7 @@ class Serving:
                 "max_tokens",
                 "context_length_exceeded",
             )
-        n_max = self.settings.n_max if req.speculative_n_max is None else req.speculative_n_max
+        n_max = self.default_n_max if req.speculative_n_max is None else req.speculative_n_max
         n_min = self.settings.n_min if req.speculative_n_min is None else req.speculative_n_min
         return GenerationRequest(
             prompt_token_ids=list(prompt_ids),
