@@ -193,3 +193,11 @@ def test_local_ngram_sequential_verify_is_identical(exact_local_gateway: Service
         accepted += spec["timings"]["draft_n_accepted"]
     print(f"\nlocal n-gram, sequential verify: acceptance {accepted / drafted:.4f} over {drafted} drafted tokens")
     assert drafted > 0 and accepted > 0
+
+
+def test_ngram_requests_default_to_long_drafts(exact_local_gateway: Service) -> None:
+    """With no --n-max, an n-gram drafter may draft up to 32 tokens a round (its confidence rule sizes each draft):
+    copying a function, some round drafts more than the model drafters' default of 8."""
+    body = {"messages": [{"role": "user", "content": PROMPTS[9]}], "max_tokens": MAX_TOKENS, "temperature": 0}
+    reply = httpx.post(f"{exact_local_gateway.address}/v1/chat/completions", json=body, timeout=600).json()
+    assert len(reply["timings"]["drafts_per_position"]) > 8
