@@ -17,6 +17,8 @@ import argparse
 import random
 import sys
 
+MAX_STREAMS = 4096  # sessions whose acceptance streams are kept
+
 
 def conditional_rate(length: float, n_max: int) -> float:
     """p with 1 + p + p^2 + ... + p^n_max = length (bisection), i.e. mean acceptance length `length` at k=n_max."""
@@ -54,7 +56,12 @@ class SyntheticAcceptance:
             self._rates[n_max] = conditional_rate(length, n_max)
         at = f"k={n_max} (conditional rate {self._rates[n_max]:.4f})" if n_max else "each call's k"
         self.label = f"mean length {length} at {at}"
+        self.seed = seed
         self._rng = random.Random(seed)
+        # One stream per session, each seeded alike: every request sees the same sequence of draws, so two
+        # configurations compared at the same k get the same luck (common random numbers). With one shared stream,
+        # rows run in a fixed order took different stretches of it, and their difference repeated in every run.
+        self._streams: dict[str, random.Random] = {}
 
     def rate(self, k: int) -> float:
         key = self.n_max or k
@@ -62,16 +69,27 @@ class SyntheticAcceptance:
             self._rates[key] = conditional_rate(self.length, key) if self.length <= key + 1 else 1.0
         return self._rates[key]
 
-    def __call__(self, k: int, guess: bool = False) -> tuple[int, bool]:
+    def _stream(self, session_id: str | None) -> random.Random:
+        if session_id is None:
+            return self._rng
+        if session_id not in self._streams:
+            if len(self._streams) >= MAX_STREAMS:
+                self._streams.pop(next(iter(self._streams)))  # the oldest session: long finished
+            self._streams[session_id] = random.Random(self.seed)
+        return self._streams[session_id]
+
+    def __call__(self, k: int, guess: bool = False, session_id: str | None = None) -> tuple[int, bool]:
         """(drafts accepted of k, whether the draft's guess of the next token is right): each position in turn
-        passes with probability p; the guess is one more position, reached only if all k passed."""
+        passes with probability p; the guess is one more position, reached only if all k passed. The guess's draw
+        is taken whether or not there is a guess, so a session's stream stays aligned with and without overlap."""
         if k <= 0:
             return 0, False
+        rng = self._stream(session_id)
         p = self.rate(k)
         n = 0
-        while n < k and self._rng.random() < p:
+        while n < k and rng.random() < p:
             n += 1
-        return n, bool(guess and n == k and self._rng.random() < p)
+        return n, bool(n == k and rng.random() < p and guess)
 
 
 def main(argv: list[str] | None = None) -> None:

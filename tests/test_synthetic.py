@@ -94,3 +94,15 @@ def test_synthetic_target_says_so_everywhere(synthetic_stack: dict) -> None:
     assert timings["acceptance_rate"] == 1.0
     metrics = httpx.get(f"{gateway.address}/metrics").text
     assert "tandem_synthetic_acceptance 1.0" in metrics
+
+
+def test_each_session_draws_the_same_stream_with_or_without_a_guess() -> None:
+    """Common random numbers: two sessions (two configurations of one benchmark row) see the same acceptance, and
+    asking for the overlap guess does not shift the draws that follow."""
+    synthetic = SyntheticAcceptance(3.0, 4, seed=5)
+    plain = [synthetic(4, False, "a") for _ in range(500)]
+    guessing = [synthetic(4, True, "b") for _ in range(500)]
+    assert [n for n, _ in plain] == [n for n, _ in guessing]
+    assert not any(right for _, right in plain) and any(right for _, right in guessing)
+    other = SyntheticAcceptance(3.0, 4, seed=6)
+    assert [other(4, False, "a")[0] for _ in range(500)] != [n for n, _ in plain]

@@ -93,9 +93,9 @@ class Verifier:
         self.store = SessionStore(engine.settings.max_sessions, idle_timeout_s)
         self.verify_mode = verify_mode
         self.prefix_cache = prefix_cache
-        #: Benchmarks only (bench.synthetic_target sets it; no setting does): (k, has a bonus guess) -> (drafts to
-        #: accept, whether the guess counts as right).
-        self.acceptance_override: Callable[[int, bool], tuple[int, bool]] | None = None
+        #: Benchmarks only (bench.synthetic_target sets it; no setting does): (k, has a bonus guess, session id)
+        #: -> (drafts to accept, whether the guess counts as right).
+        self.acceptance_override: Callable[[int, bool, str], tuple[int, bool]] | None = None
         self.synthetic_label = ""
 
     # ---------------------------------------------------------------- helpers
@@ -275,7 +275,7 @@ class Verifier:
         drafts = list(spec.draft_tokens)
         k = len(drafts)
         if self.acceptance_override is not None:  # synthetic acceptance: the same rows, an imposed outcome
-            n, guess_right = self.acceptance_override(k, spec.bonus_guess is not None)
+            n, guess_right = self.acceptance_override(k, spec.bonus_guess is not None, session.session_id)
             n = min(n, k, len(rows) - 1)
             own = self._pick(session, rows[n])
             if n == k and guess_right:  # overlapped drafting: the draft's guess is right at the same rate
