@@ -106,3 +106,14 @@ def test_each_session_draws_the_same_stream_with_or_without_a_guess() -> None:
     assert not any(right for _, right in plain) and any(right for _, right in guessing)
     other = SyntheticAcceptance(3.0, 4, seed=6)
     assert [other(4, False, "a")[0] for _ in range(500)] != [n for n, _ in plain]
+
+
+@pytest.mark.parametrize(("length", "k"), [(2.0, 4), (3.0, 4), (2.0, 8), (5.0, 8)])
+def test_a_short_session_already_gets_the_mean_length(length: float, k: int) -> None:
+    """A benchmark request has ~50-150 rounds: its realised mean length must be L, not L give or take its luck (a
+    pseudo-random stream gave 1.63 at L=2 for every row of a GPU run)."""
+    synthetic = SyntheticAcceptance(length, k, seed=0)
+    for rounds in (100, 150, 300):
+        session = f"s{rounds}"
+        mean = sum(synthetic(k, False, session)[0] for _ in range(rounds)) / rounds
+        assert mean + 1 == pytest.approx(length, rel=0.03), rounds
