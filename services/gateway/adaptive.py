@@ -184,8 +184,4 @@ def worth_drafting_ahead(tracker: AcceptanceTracker, k: int) -> bool:
     if k <= 0:
         return False
     # The guess is one more position; drafts of length k never reach it, so its rate is taken from position k-1.
-    rates = tracker.rates(k)
-    hit = rates[-1]
-    for r in rates:
-        hit *= r
-    return hit >= OVERLAP_MIN_HIT
+    return tracker.all_pass(k) * tracker.rate(k - 1) >= OVERLAP_MIN_HIT

@@ -54,7 +54,7 @@ class Serving:
         self.costs = CostModel()  # the deployment's measured step costs, shared by all requests (adaptive k)
         self.model_name = settings.model_name or upstreams.target_info.model_name
         self.context_size = upstreams.target_info.context_size
-        ngram = settings.local_ngram or (upstreams.draft_info is not None and upstreams.draft_info.drafter == "ngram")
+        ngram = settings.local_ngram or upstreams.draft_is_ngram
         self.default_n_max = settings.n_max if settings.n_max is not None else NGRAM_N_MAX if ngram else MODEL_N_MAX
 
     def check_model(self, requested: str | None) -> None:

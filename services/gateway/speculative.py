@@ -147,8 +147,7 @@ class Generation:
         self._use_draft = (upstreams.draft is not None or self._local is not None) and request.n_max > 0
         self._draft_open = False
         self._span: trace.Span = trace.INVALID_SPAN
-        info = upstreams.draft_info
-        self._model_free_draft = self._local is not None or (info is not None and info.drafter == "ngram")
+        self._model_free_draft = self._local is not None or upstreams.draft_is_ngram
         self._target_pos = self._draft_pos = self._produced = 0
         self._unsent: list[int] = []
         self._lookahead: list[int] = []

@@ -119,6 +119,11 @@ class Upstreams:
             self.propose = StreamMux(lambda: self.draft.ProposeStream(metadata=md), "draft")
             self.draft_health = health_pb2_grpc.HealthStub(self.channels[1])
 
+    @property
+    def draft_is_ngram(self) -> bool:
+        """The draft service drafts by prompt lookup (model-free: no vocabulary to check, no cost per token)."""
+        return self.draft_info is not None and self.draft_info.drafter == "ngram"
+
     async def close(self) -> None:
         for mux in (self.verify, self.propose):
             if mux is not None:
