@@ -54,6 +54,13 @@ def tandem_row(pair, placement, length, k, overlap, replies, base) -> dict:
     draft = sum(x.get("draft_compute_ms", 0) for x in t)
     verify = sum(x.get("verify_compute_ms", 0) for x in t)
     rate = tok_s(replies)
+    calls = max(sum(x.get("verify_calls", 0) for x in t), 1)
+
+    def per_call(key: str) -> float:
+        return sum(x.get(key, 0) for x in t) / calls
+
+    draft_rpc, verify_rpc = per_call("draft_rpc_ms"), per_call("verify_rpc_ms")
+    services = per_call("draft_service_ms") + per_call("verify_service_ms")
     return {
         "engine": "tandem", "pair": pair, "draft_on": placement, "L": length, "k": k,
         "overlap": overlap, "tok_s": round(rate, 1), "speedup": round(rate / base, 2),
@@ -61,6 +68,12 @@ def tandem_row(pair, placement, length, k, overlap, replies, base) -> dict:
         "draft_pct": round(100 * draft / predicted, 1), "verify_pct": round(100 * verify / predicted, 1),
         # With overlap the draft runs during verification, so compute can exceed wall time: overhead is then < 0.
         "overhead_pct": round(100 * (predicted - draft - verify) / predicted, 1),
+        # Where the overhead goes, in ms per round (Verify call): the gateway's own time between calls, gRPC
+        # (call wall seen by the gateway minus wall inside the service) and the services' Python around compute.
+        "round_ms": round(predicted / calls, 2),
+        "gw_ms": round(predicted / calls - draft_rpc - verify_rpc, 2),
+        "grpc_ms": round(draft_rpc + verify_rpc - services, 2),
+        "svc_ms": round(services - (draft + verify) / calls, 2),
         "overlapped_rounds": sum(x.get("overlapped_rounds", 0) for x in t),
         "rounds": sum(x.get("rounds", 0) for x in t),
     }  # fmt: skip
@@ -75,7 +88,8 @@ def run_tandem(args, client, pair, target_path, draft_path, rows, deadline, log_
         target = start_model_service(
             "bench.synthetic_target",
             ["--synth-len", str(length), "--model", str(target_path), "--n-gpu-layers", "-1", "--device", "cuda:0",
-             "--n-threads", "4", "--max-sessions", "2", "--n-ctx", "4096", "--no-prefix-cache"],
+             "--n-threads", "4", "--max-sessions", "2", "--n-ctx", "4096", "--no-prefix-cache",
+             "--flash-attn", args.flash_attn],
             log_dir, timeout=900,
         )  # fmt: skip
         procs: list[Process] = [target]
@@ -90,7 +104,7 @@ def run_tandem(args, client, pair, target_path, draft_path, rows, deadline, log_
                 draft = start_model_service(
                     "services.draft",
                     ["--drafter", "model", "--model", str(draft_path), *flags, "--max-sessions", "2",
-                     "--n-ctx", "4096", "--no-prefix-cache"],
+                     "--n-ctx", "4096", "--no-prefix-cache", "--flash-attn", args.flash_attn],
                     log_dir, timeout=600,
                 )  # fmt: skip
                 gw_on = start_gateway(target.address, draft.address, log_dir, "--overlap-draft")
@@ -137,7 +151,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def run_peer(args, client, pair, target_path, draft_path, rows, deadline, log_dir) -> None:
-    common = ["-m", str(target_path), "-ngl", "99", "-dev", "CUDA0", "-c", "4096", "-t", "4", "--no-cache-prompt"]
+    common = ["-m", str(target_path), "-ngl", "99", "-dev", "CUDA0", "-c", "4096", "-t", "4", "--no-cache-prompt",
+              "-fa", args.flash_attn]  # fmt: skip
     proc, url = start_peer(args.peer, common, log_dir)
     try:
         complete(client, url, 8, {})
@@ -176,7 +191,8 @@ def run_peer(args, client, pair, target_path, draft_path, rows, deadline, log_di
 
 def table(rows: list[dict]) -> str:
     keys = ["engine", "pair", "draft_on", "L", "k", "overlap", "tok_s", "speedup", "mean_len", "acceptance",
-            "draft_pct", "verify_pct", "overhead_pct", "overlapped_rounds", "rounds", "skipped"]  # fmt: skip
+            "draft_pct", "verify_pct", "overhead_pct", "round_ms", "gw_ms", "grpc_ms", "svc_ms", "overlapped_rounds",
+            "rounds", "skipped"]  # fmt: skip
     keys = [k for k in keys if any(k in r for r in rows)]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join("" if r.get(k) is None else str(r.get(k)) for k in keys) + " |" for r in rows]
@@ -197,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--deadline-s", type=float, default=540)
     parser.add_argument("--only", choices=("both", "tandem", "peer"), default="both")
+    parser.add_argument(
+        "--flash-attn", choices=("on", "off"), default="on",
+        help="for both engines alike (llama-server's own default on CUDA is on)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     args.placements = args.placements.split(",")

@@ -68,6 +68,8 @@ class GenerationStats:
     verify_ns: int = 0  # wall time of Verify calls seen by the gateway
     draft_forward_ns: int = 0  # time inside the draft model's forward passes
     verify_forward_ns: int = 0  # time inside the target's forward passes
+    draft_service_ns: int = 0  # wall time of Propose calls inside the draft service (the rest of draft_ns is gRPC)
+    verify_service_ns: int = 0  # wall time of Verify calls inside the target service
     speculation: str = "off"  # off | on | degraded (draft failed mid-request)
     synthetic_acceptance: str = ""  # benchmark targets only: acceptance is imposed, the text is not valid
     k_chosen: int = 0  # sum of the draft lengths asked for, over rounds (adaptive k)
@@ -114,6 +116,8 @@ class GenerationStats:
             "verify_compute_ms": round(self.verify_forward_ns / 1e6, 3),
             "draft_rpc_ms": round(self.draft_ns / 1e6, 3),
             "verify_rpc_ms": round(self.verify_ns / 1e6, 3),
+            "draft_service_ms": round(self.draft_service_ns / 1e6, 3),
+            "verify_service_ms": round(self.verify_service_ns / 1e6, 3),
             "accepted_per_position": list(self.accepted_per_position),
             "drafts_per_position": list(self.drafts_per_position),
         }
@@ -464,6 +468,7 @@ class Generation:
         self._unsent = []
         self._rewind_to = None
         self.stats.draft_forward_ns += reply.timing.forward_ns
+        self.stats.draft_service_ns += reply.timing.total_ns
         return reply
 
     async def _settle_ahead(self, ahead: asyncio.Task, drafts: list[int], guess: int, result: pb.VerifyResult) -> int:
@@ -524,6 +529,8 @@ class Generation:
         if timed:
             self.stats.verify_ns += time.perf_counter_ns() - v0
         self.stats.verify_forward_ns += reply.timing.forward_ns
+        if timed:
+            self.stats.verify_service_ns += reply.timing.total_ns
         self.stats.verify_calls += 1
         return reply.results[0], reply.timing
 
