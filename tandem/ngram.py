@@ -66,7 +66,16 @@ class NgramIndex:
 
 
 def ngram_draft(index: NgramIndex, tokens: Sequence[int], max_tokens: int, scaled: bool = True) -> list[int]:
-    """Up to max_tokens draft tokens continuing `tokens` (already indexed), with a confidence rule when `scaled`.
+    """Up to max_tokens draft tokens continuing `tokens` (already indexed); see `ngram_draft_matched`."""
+    return ngram_draft_matched(index, tokens, max_tokens, scaled)[0]
+
+
+def ngram_draft_matched(
+    index: NgramIndex, tokens: Sequence[int], max_tokens: int, scaled: bool = True
+) -> tuple[list[int], int]:
+    """(up to max_tokens draft tokens continuing `tokens`, length of the suffix match they come from; 0 for none).
+
+    `tokens` must be indexed already. With `scaled`, a confidence rule limits the draft:
 
     A suffix matched over m tokens earns at most m - 1 draft tokens: a one- or two-token match is often a
     coincidence, and every rejected draft token costs verify time (on a CPU about a third of a one-token step each);
@@ -77,8 +86,8 @@ def ngram_draft(index: NgramIndex, tokens: Sequence[int], max_tokens: int, scale
     j, m = index.match(tokens)
     n = min(max_tokens, m - 1) if scaled else max_tokens
     if j < 0 or n <= 0:
-        return []
-    return list(tokens[j : j + n])
+        return [], m
+    return list(tokens[j : j + n]), m
 
 
 class PromptLookup:
@@ -89,8 +98,10 @@ class PromptLookup:
         self.tokens = list(tokens)
         self.index = NgramIndex(n_min, n_max)
         self.index.extend(self.tokens)
+        self.last_match = 0  # suffix match length behind the last proposal (0: none), for the adaptive policy
 
     def propose(self, committed: Sequence[int], max_tokens: int) -> list[int]:
         self.tokens.extend(committed)
         self.index.extend(self.tokens)
-        return ngram_draft(self.index, self.tokens, max_tokens)
+        draft, self.last_match = ngram_draft_matched(self.index, self.tokens, max_tokens)
+        return draft

@@ -9,6 +9,7 @@ from services.gateway.adaptive import (
     AcceptanceTracker,
     CostModel,
     DraftLengthPolicy,
+    MatchLengthPolicy,
     worth_drafting_ahead,
 )
 
@@ -101,3 +102,58 @@ def test_drafting_ahead_only_when_the_whole_round_is_likely_accepted() -> None:
     assert worth_drafting_ahead(sure, 4)
     assert not worth_drafting_ahead(unsure, 4)
     assert not worth_drafting_ahead(AcceptanceTracker(8), 4)  # no evidence yet: the prior (0.5 a position) says no
+
+
+def test_match_policy_sends_the_whole_proposal_until_the_cost_is_known() -> None:
+    policy = MatchLengthPolicy(CostModel())
+    assert policy.choose(match_len=3, available=2) == 2
+    assert policy.choose(match_len=20, available=19) == 19
+
+
+def test_match_policy_trusts_long_matches_from_the_start() -> None:
+    """No history: the prior keeps a long match's whole proposal at this CPU's verify costs (~4.7 ms a token)."""
+    policy = MatchLengthPolicy(costs_with(14.5, 4.7, overhead_ms=2.0))
+    assert policy.choose(match_len=17, available=16) == 16
+    assert policy.choose(match_len=2, available=1) == 1
+
+
+def test_match_policy_drops_short_matches_that_miss_and_keeps_long_ones() -> None:
+    policy = MatchLengthPolicy(costs_with(14.5, 4.7, overhead_ms=2.0))
+    for _ in range(30):  # two-token coincidences: every draft rejected
+        policy.choose(match_len=2, available=1)
+        policy.observe(drafted=1, accepted=0)
+    assert policy.choose(match_len=2, available=1) == 0
+    assert policy.choose(match_len=12, available=11) == 11  # a copied passage is judged on its own record
+    # The same record under a dearer draft token: a 3-token match whose drafts mostly fail is not worth sending.
+    for _ in range(30):
+        policy.choose(match_len=3, available=2)
+        policy.observe(drafted=2, accepted=0)
+    assert policy.choose(match_len=3, available=2) == 0
+
+
+def test_match_policy_cuts_a_proposal_where_acceptance_falls() -> None:
+    """Drafts behind 4-token matches are accepted for two positions and then rejected: keep the two."""
+    policy = MatchLengthPolicy(costs_with(14.5, 4.7, overhead_ms=2.0))
+    for _ in range(60):
+        policy.choose(match_len=4, available=3)
+        policy.observe(drafted=3, accepted=2)  # positions continue matches of 4, 5 (accepted) and 6 (rejected)
+    assert policy.choose(match_len=4, available=3) == 2
+    assert policy.choose(match_len=17, available=16) == 16  # longer matches keep their own record
+
+
+def test_match_policy_tries_again_once_its_record_has_decayed() -> None:
+    """A bucket that stopped drafting gets no new evidence; its counts decay and the prior brings drafting back."""
+    policy = MatchLengthPolicy(costs_with(14.5, 4.7, overhead_ms=2.0))
+    for _ in range(30):
+        policy.choose(match_len=2, available=1)
+        policy.observe(drafted=1, accepted=0)
+    assert policy.choose(match_len=2, available=1) == 0
+    for _ in range(150):  # rounds without a draft
+        policy.observe(drafted=0, accepted=0)
+    assert policy.choose(match_len=2, available=1) == 1
+
+
+def test_match_policy_respects_n_min() -> None:
+    policy = MatchLengthPolicy(costs_with(14.5, 4.7, overhead_ms=2.0), n_min=3)
+    assert policy.choose(match_len=3, available=2) == 0
+    assert policy.choose(match_len=9, available=8) == 8

@@ -195,6 +195,19 @@ def test_local_ngram_sequential_verify_is_identical(exact_local_gateway: Service
     assert drafted > 0 and accepted > 0
 
 
+def test_local_ngram_adaptive_is_identical(exact_local_gateway: Service) -> None:
+    """The match-length policy only shortens drafts: the text stays the target's, and some round drafts less than
+    the drafter offered (k_chosen below the drafted tokens a fixed k would send is not observable, so: the policy ran
+    every round and sent drafts)."""
+    plain = _chat(exact_local_gateway, PROMPTS[4], n_max=0)
+    spec = _chat(exact_local_gateway, PROMPTS[4], n_max=32, **{"speculative.adaptive": True})
+    assert spec["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert [t["logprob"] for t in _tokens(spec)] == [t["logprob"] for t in _tokens(plain)]
+    assert spec["timings"]["draft_n"] > 0
+    assert spec["timings"]["draft_length_mean"] is not None  # chosen by the policy, round by round
+    assert spec["timings"]["verify_calls"] < plain["timings"]["verify_calls"]
+
+
 def test_ngram_requests_default_to_long_drafts(exact_local_gateway: Service) -> None:
     """With no --n-max, an n-gram drafter may draft up to 32 tokens a round (its confidence rule sizes each draft):
     copying a function, some round drafts more than the model drafters' default of 8."""

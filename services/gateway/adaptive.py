@@ -17,6 +17,7 @@ request that stopped drafting can start again.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 PRIOR_RATE = 0.5  # acceptance assumed at a position before anything is observed
@@ -185,3 +186,73 @@ def worth_drafting_ahead(tracker: AcceptanceTracker, k: int) -> bool:
         return False
     # The guess is one more position; drafts of length k never reach it, so its rate is taken from position k-1.
     return tracker.all_pass(k) * tracker.rate(k - 1) >= OVERLAP_MIN_HIT
+
+
+# Prompt lookup: acceptance by how long the match is at each drafted position (bucket lower bounds, in tokens).
+MATCH_BUCKETS = (2, 3, 4, 6, 9, 16, 32)
+PRIOR_MISS = 0.125  # prior: a position continuing an n-token match is rejected with probability PRIOR_MISS / n
+
+
+def _match_bucket(n: int) -> int:
+    return max(bisect.bisect_right(MATCH_BUCKETS, n) - 1, 0)
+
+
+@dataclass
+class MatchLengthPolicy:
+    """Adaptive k for prompt lookup, whose drafts come with a confidence: the length of the match behind them.
+
+    The drafter proposes the continuation of the longest earlier occurrence of the text's suffix (m tokens long,
+    at most m - 1 draft tokens). Draft position i then continues a match of m + i tokens, and how often such a
+    position is accepted depends on that length far more than on i: a copied passage stays safe however long the
+    draft, a two-token coincidence does not. So acceptance is tracked per match-length bucket (decayed, so it
+    follows the text), with a prior that trusts long matches, and each round keeps the k of the proposal that
+    maximises expected tokens per unit of round cost (k = 0: do not draft this round).
+
+    Why not `DraftLengthPolicy`: by position alone, the rejected drafts of short matches pulled the estimate for
+    every draft down. Replayed on the benchmark's target-only texts with this CPU's verify costs
+    (`python -m bench.replay_ngram docs/benchmarks/cpu-2026-11-30-full4/results.json`), it reached 0.88 of the best
+    fixed k on json; this policy reached 1.00-1.02 of it on every greedy workload.
+    """
+
+    costs: CostModel
+    n_min: int = 0
+    reached: list[float] = field(default_factory=lambda: [0.0] * len(MATCH_BUCKETS))
+    accepted: list[float] = field(default_factory=lambda: [0.0] * len(MATCH_BUCKETS))
+    _match: int = 0
+    last_choice: int = 0
+
+    def rate(self, n: int) -> float:
+        """Estimated P(a draft position continuing an n-token match is accepted)."""
+        b = _match_bucket(n)
+        prior = 1.0 - PRIOR_MISS / MATCH_BUCKETS[b]
+        return (self.accepted[b] + prior * PRIOR_WEIGHT) / (self.reached[b] + PRIOR_WEIGHT)
+
+    def choose(self, match_len: int, available: int) -> int:
+        """How many of the `available` proposed tokens (behind a `match_len`-token match) to send this round."""
+        self._match = match_len
+        lo = max(self.n_min, 1)
+        if available < lo:
+            k = 0
+        elif self.costs.round_ns(0) is None:
+            k = available  # cost curve not known yet: the drafter's own rule (and the fit sees varied step sizes)
+        else:
+            k, best = 0, 1.0 / self.costs.round_ns(0)
+            expected, survive = 1.0, 1.0
+            for n in range(1, available + 1):
+                survive *= self.rate(match_len + n - 1)
+                expected += survive
+                if n >= lo and expected / self.costs.round_ns(n) > best:
+                    k, best = n, expected / self.costs.round_ns(n)
+        self.last_choice = k
+        return k
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One round's outcome (every round, drafted or not: the decay runs per round)."""
+        for b in range(len(MATCH_BUCKETS)):
+            self.reached[b] *= DECAY
+            self.accepted[b] *= DECAY
+        for i in range(min(drafted, accepted + 1)):
+            b = _match_bucket(self._match + i)
+            self.reached[b] += 1
+            if i < accepted:
+                self.accepted[b] += 1

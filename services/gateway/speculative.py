@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
-from services.gateway.adaptive import AcceptanceTracker, CostModel, DraftLengthPolicy, worth_drafting_ahead
+from services.gateway.adaptive import (
+    AcceptanceTracker,
+    CostModel,
+    DraftLengthPolicy,
+    MatchLengthPolicy,
+    worth_drafting_ahead,
+)
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.upstream import Upstreams
 from tandem.ngram import PromptLookup
@@ -165,8 +171,15 @@ class Generation:
         self._draft_has = 0  # emitted tokens to come that the draft already received with a draft-ahead
         self._draft_opening: asyncio.Future | None = None  # the draft's Open, finishing after the first token
         self.acceptance = AcceptanceTracker(max(request.n_max, 1))  # this request's per-position acceptance
+        # Adaptive k: prompt lookup in this process knows the match behind each draft, and keeps what pays of it;
+        # other drafters are told k in advance, from the cost curve and the acceptance by position.
+        self.match_policy = (
+            MatchLengthPolicy(self.costs, request.n_min) if request.adaptive and self._local is not None else None
+        )
         self.policy = (
-            DraftLengthPolicy(self.costs, request.n_min, request.n_max, self.acceptance) if request.adaptive else None
+            DraftLengthPolicy(self.costs, request.n_min, request.n_max, self.acceptance)
+            if request.adaptive and self.match_policy is None
+            else None
         )
 
     def _child(self, name: str, parent: trace.Span | None = None) -> trace.Span:
@@ -361,8 +374,9 @@ class Generation:
         if not self._use_draft:
             return 0
         k = self.policy.choose(cap) if self.policy is not None else min(self.req.n_max, cap)
-        self.stats.k_chosen += k
-        self.stats.k_rounds += 1
+        if self.match_policy is None:  # the match policy chooses after the lookup (see _propose)
+            self.stats.k_chosen += k
+            self.stats.k_rounds += 1
         return k
 
     def _learn(
@@ -375,6 +389,8 @@ class Generation:
         self.costs.observe_overhead(max(round_ns - timing.forward_ns - draft_ns, 0))
         if drafts:
             self.acceptance.observe(len(drafts), result.num_accepted)
+        if self.match_policy is not None:
+            self.match_policy.observe(len(drafts), result.num_accepted)
 
     def _emitted(self, token: pb.Token) -> None:
         if self._draft_has:
@@ -402,6 +418,10 @@ class Generation:
             d0 = time.perf_counter_ns()
             drafts = self._local.propose(self._unsent, k)  # microseconds: no RPC, no draft service
             self._unsent = []
+            if self.match_policy is not None:
+                drafts = drafts[: self.match_policy.choose(self._local.last_match, len(drafts))]
+                self.stats.k_chosen += len(drafts)
+                self.stats.k_rounds += 1
             self.stats.draft_ns += time.perf_counter_ns() - d0
             return (drafts, [], 0, 0) if len(drafts) >= max(self.req.n_min, 1) else ([], [], 0, 0)
         if self._lookahead:
