@@ -53,7 +53,12 @@ class EngineSettings(BaseSettings):
     )
     cache_type_k: KvCacheType = Field("f16", description="KV cache type for keys (q8_0 halves the memory)")
     cache_type_v: KvCacheType = Field("f16", description="KV cache type for values (quantised V needs flash attention)")
-    flash_attn: Literal["auto", "on", "off"] = Field("off", description="flash attention")
+    flash_attn: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="flash attention; auto: on when layers run on a GPU (70B target-only on an H200: 55.2 against"
+        " 48.9 tok/s) or the V cache is quantised (which needs it), off on the CPU (a 1,000-token context decoded ~25%"
+        " slower with it on a 2-core CPU)",
+    )
     kv_unified: Literal["auto", "on", "off"] = Field(
         "auto",
         description="on: one KV buffer shared by all sessions; off: one slice per session, so a session's numerics do"
@@ -61,6 +66,11 @@ class EngineSettings(BaseSettings):
         " on when layers are offloaded to a GPU, where batched steps over per-session slices ran ~1.5x slower"
         " (8B on an H200) and GPU kernels differ by batch size anyway, off on the CPU",
     )
+
+    def resolved_flash_attn(self, on_gpu: bool) -> bool:
+        if self.flash_attn != "auto":
+            return self.flash_attn == "on"
+        return on_gpu or self.cache_type_v not in ("f32", "f16", "bf16")
 
     def resolved_kv_unified(self, on_gpu: bool) -> bool:
         return self.kv_unified == "on" or (self.kv_unified == "auto" and on_gpu)

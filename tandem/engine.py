@@ -110,11 +110,12 @@ class Engine:
         cparams.n_seq_max = settings.max_sessions
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads_batch
-        cparams.flash_attn_type = _FLASH_ATTN[settings.flash_attn]
+        self.backend, self.device = _detect_backend(settings)
+        self.flash_attn = settings.resolved_flash_attn(on_gpu=self.backend != "CPU")
+        cparams.flash_attn_type = _FLASH_ATTN["on" if self.flash_attn else "off"]
         cparams.type_k = _GGML_TYPES[settings.cache_type_k]
         cparams.type_v = _GGML_TYPES[settings.cache_type_v]
         # CPU default: a KV slice per session, so each session's numerics are independent of the others.
-        self.backend, self.device = _detect_backend(settings)
         cparams.kv_unified = settings.resolved_kv_unified(on_gpu=self.backend != "CPU")
         cparams.no_perf = True
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)

@@ -71,3 +71,12 @@ def test_prefill_in_chunks_equals_one_pass(engine: Engine) -> None:
 )
 def test_kv_layout_auto_shares_the_buffer_only_on_a_gpu(setting: str, on_gpu: bool, unified: bool) -> None:
     assert EngineSettings(kv_unified=setting).resolved_kv_unified(on_gpu) is unified
+
+
+def test_flash_attention_auto_follows_the_device() -> None:
+    """auto: on for GPU layers (faster there) and for a quantised V cache (which needs it), off on the CPU."""
+    assert EngineSettings().resolved_flash_attn(on_gpu=True)
+    assert not EngineSettings().resolved_flash_attn(on_gpu=False)
+    assert EngineSettings(cache_type_v="q8_0").resolved_flash_attn(on_gpu=False)
+    assert not EngineSettings(flash_attn="off").resolved_flash_attn(on_gpu=True)
+    assert EngineSettings(flash_attn="on").resolved_flash_attn(on_gpu=False)

@@ -257,6 +257,23 @@ def test_sample_cdf_edges() -> None:
     assert sample(q, _FixedUniform(top)) == 5  # type: ignore[arg-type]
 
 
+def test_sample_large_vocab_inverts_the_cdf_exactly() -> None:
+    """Large distributions are inverted in two levels (block sums, then one block): for every u the token is the
+    one whose CDF interval holds u, as a flat cumsum finds it, and zero-probability tokens and blocks never come out
+    (including the largest u below 1 and a distribution whose last blocks have no mass)."""
+    rng = np.random.default_rng(11)
+    p = rng.random(5000) ** 8
+    p[rng.random(5000) < 0.5] = 0.0
+    p[4000:] = 0.0  # trailing blocks without mass
+    p /= p.sum()
+    cum = np.cumsum(p)
+    for u in [0.0, float(np.nextafter(1.0, 0.0)), *rng.random(3000)]:
+        token = sample(p, _FixedUniform(u))  # type: ignore[arg-type]
+        assert p[token] > 0.0
+        lower = cum[token - 1] if token else 0.0
+        assert lower - 1e-12 <= u <= cum[token] + 1e-12, (u, token)
+
+
 def test_acceptance_and_residual_small_cases() -> None:
     p = np.array([0.5, 0.3, 0.2, 0.0])
     q = SparseDist(token_ids=np.array([0, 1, 3]), probs=np.array([0.25, 0.6, 0.15]))

@@ -86,7 +86,10 @@ class SamplingFields(BaseModel):
     speculative_n_max: int | None = Field(None, alias="speculative.n_max", ge=0, le=64)
     speculative_n_min: int | None = Field(None, alias="speculative.n_min", ge=0, le=64)
     speculative_adaptive: bool | None = Field(
-        None, alias="speculative.adaptive", description="extension: choose each round's draft length in n_min..n_max"
+        None,
+        alias="speculative.adaptive",
+        description="extension: choose each round's draft length in n_min..n_max (default: the server's setting,"
+        " which never applies to a seeded sampled request: timing-driven lengths would change its text)",
     )
 
     @model_validator(mode="after")

@@ -114,10 +114,12 @@ class Serving:
         )
 
     def _adaptive(self, req) -> bool:
-        """Adaptive k, unless the request is seeded and sampled: the draft length decides how the target's random
-        stream is consumed, and timing-driven choices would make the same seed give different text."""
-        wanted = self.settings.adaptive_k if req.speculative_adaptive is None else req.speculative_adaptive
-        return wanted and not (req.seed is not None and req.temperature > 0)
+        """The request's own choice; else the server's default, except for seeded sampled requests: the draft length
+        decides how the target's random stream is consumed, and timing-driven choices would make the same seed give
+        different text. A request that asks for adaptive k explicitly accepts that."""
+        if req.speculative_adaptive is not None:
+            return req.speculative_adaptive
+        return self.settings.adaptive_k and not (req.seed is not None and req.temperature > 0)
 
     def start(self, gen_req: GenerationRequest) -> Generation:
         return Generation(
