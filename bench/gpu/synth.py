@@ -61,10 +61,12 @@ def tandem_row(pair, placement, length, k, overlap, replies, base) -> dict:
 
     draft_rpc, verify_rpc = per_call("draft_rpc_ms"), per_call("verify_rpc_ms")
     services = per_call("draft_service_ms") + per_call("verify_service_ms")
+    mean_len = statistics.mean(x["mean_accepted_length"] or 1 for x in t)
     return {
         "engine": "tandem", "pair": pair, "draft_on": placement, "L": length, "k": k,
         "overlap": overlap, "tok_s": round(rate, 1), "speedup": round(rate / base, 2),
-        "mean_len": round(statistics.mean(x["mean_accepted_length"] or 1 for x in t), 2),
+        "mean_len": round(mean_len, 2),
+        "tok_s_at_L": round(rate * length / mean_len, 1),
         "draft_pct": round(100 * draft / predicted, 1), "verify_pct": round(100 * verify / predicted, 1),
         # With overlap the draft runs during verification, so compute can exceed wall time: overhead is then < 0.
         "overhead_pct": round(100 * (predicted - draft - verify) / predicted, 1),
@@ -183,16 +185,21 @@ def run_peer(args, client, pair, target_path, draft_path, rows, deadline, log_di
                 t = [r["timings"] for r in replies]
                 drafted = sum(x.get("draft_n", 0) for x in t)
                 accepted = sum(x.get("draft_n_accepted", 0) for x in t)
+                # Its synthetic acceptance is drawn at random per token: the realised mean length (each round drafts
+                # k) wanders around L, so tok_s_at_L rescales the rate to exactly L for comparison with tandem's.
+                mean_len = 1 + k * accepted / drafted if drafted else None
                 rows.append({"engine": "llama-server", "pair": pair, "draft_on": placement, "L": length, "k": k,
                              "tok_s": round(rate, 1), "speedup": round(rate / base, 2),
+                             "mean_len": round(mean_len, 2) if mean_len else None,
+                             "tok_s_at_L": round(rate * length / mean_len, 1) if mean_len else None,
                              "acceptance": round(accepted / drafted, 3) if drafted else None})  # fmt: skip
                 log(f"llama-server {pair} {placement} L={length} k={k}: {rows[-1]['tok_s']} tok/s")
 
 
 def table(rows: list[dict]) -> str:
-    keys = ["engine", "pair", "draft_on", "L", "k", "overlap", "tok_s", "speedup", "mean_len", "acceptance",
-            "draft_pct", "verify_pct", "overhead_pct", "round_ms", "gw_ms", "grpc_ms", "svc_ms", "overlapped_rounds",
-            "rounds", "skipped"]  # fmt: skip
+    keys = ["engine", "pair", "draft_on", "L", "k", "overlap", "tok_s", "tok_s_at_L", "speedup", "mean_len",
+            "acceptance", "draft_pct", "verify_pct", "overhead_pct", "round_ms", "gw_ms", "grpc_ms", "svc_ms",
+            "overlapped_rounds", "rounds", "skipped"]  # fmt: skip
     keys = [k for k in keys if any(k in r for r in rows)]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join("" if r.get(k) is None else str(r.get(k)) for k in keys) + " |" for r in rows]
