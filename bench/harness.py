@@ -1,9 +1,11 @@
 """`make bench`: tandem against target-only decoding (and optionally llama.cpp's llama-server), side by side.
 
 Every configuration runs in the same process tree, interleaved: for each repetition, each workload prompt is sent to
-every configuration in a rotating order, so machine noise hits them alike. Numbers are medians over repetitions and
-prompts; speedups are ratios within one run. Hardware specifics (GPU layers, devices, threads) come from the
-command line, so the same harness runs unchanged on a GPU machine.
+every configuration in a rotating order, so machine noise hits them alike. A workload's tok/s is the geometric mean
+over its prompts of each prompt's median over repetitions, and its speedup the geometric mean of the per-prompt ratios
+(a plain median over prompts of very different speeds swung with one noisy request). Speedups are ratios within one
+run. `--resummarise results.json` recomputes the tables of an earlier run from its records. Hardware specifics (GPU
+layers, devices, threads) come from the command line, so the same harness runs unchanged on a GPU machine.
 """
 
 from __future__ import annotations
@@ -226,6 +228,19 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _per_prompt(recs: list[Record]) -> dict[int, float]:
+    """Each prompt's median decode tok/s over the repetitions."""
+    by_prompt: dict[int, list[float]] = defaultdict(list)
+    for r in recs:
+        if r.timings.get("predicted_per_second"):
+            by_prompt[r.prompt].append(r.timings["predicted_per_second"])
+    return {p: statistics.median(v) for p, v in by_prompt.items()}
+
+
+def _geomean(values: list[float]) -> float | None:
+    return statistics.geometric_mean(values) if values else None
+
+
 def summarise(configs: list[Config], loads: list[Workload], records: list[Record]) -> list[dict]:
     by = defaultdict(list)
     for r in records:
@@ -235,8 +250,9 @@ def summarise(configs: list[Config], loads: list[Workload], records: list[Record
         for config in configs:
             recs = by[(config.name, workload.name)]
             base = {(r.prompt, r.rep): r for r in by[(config.baseline, workload.name)]}
-            tok_s = _median([r.timings.get("predicted_per_second") for r in recs])
-            base_tok_s = _median([r.timings.get("predicted_per_second") for r in base.values()])
+            rates, base_rates = _per_prompt(recs), _per_prompt(list(base.values()))
+            tok_s = _geomean(list(rates.values()))
+            ratios = [rates[p] / base_rates[p] for p in rates if p in base_rates]
             drafted = sum(r.timings.get("draft_n", 0) or 0 for r in recs)
             accepted = sum(r.timings.get("draft_n_accepted", 0) or 0 for r in recs)
             rounds = sum(r.timings.get("rounds", 0) or 0 for r in recs)
@@ -277,7 +293,7 @@ def summarise(configs: list[Config], loads: list[Workload], records: list[Record
                     "ttft_ms": _median([r.timings.get("prompt_ms") for r in recs]),
                     "acceptance": accepted / drafted if drafted else None,
                     "mean_accepted_length": (accepted + rounds) / rounds if rounds else None,
-                    "speedup": tok_s / base_tok_s if tok_s and base_tok_s else None,
+                    "speedup": _geomean(ratios),
                     "same_text": same,
                     "draft_pct": 100 * draft_ms / predicted_ms if tandem and predicted_ms else None,
                     "verify_pct": 100 * verify_ms / predicted_ms if tandem and predicted_ms else None,
@@ -331,7 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-adaptive", action="store_true", help="skip the adaptive draft length configurations")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<time>)")
     parser.add_argument("--label", default="", help="a note stored with the results (machine, date, ...)")
+    parser.add_argument(
+        "--resummarise", type=Path, default=None, metavar="RESULTS_JSON",
+        help="recompute the tables and plots of an earlier run from its records (written beside it), run nothing",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.resummarise:
+        return resummarise(args.resummarise)
 
     ks = [int(k) for k in (args.ks or ("4" if args.quick else "2,4,8")).split(",")]
     ngram_ks = sorted({*ks, *(int(k) for k in args.ngram_ks.split(",") if k)}) if args.ngram_ks else ks
@@ -366,6 +388,27 @@ def main(argv: list[str] | None = None) -> int:
         write_report(out, meta, rows, records)
     finally:
         stack.stop()
+    return 0
+
+
+def resummarise(path: Path) -> int:
+    """Tables, JSON and plots of an earlier run, recomputed from its records with today's statistics."""
+    import json
+
+    from bench.report import write_report
+
+    data = json.loads(path.read_text())
+    records = [Record(**r) for r in data["records"]]
+    configs, seen = [], set()
+    for row in data["rows"]:
+        if row["config"] not in seen:
+            seen.add(row["config"])
+            baseline = "target-only" if row["family"] == "tandem" else "llama-server"
+            configs.append(Config(row["config"], row["family"], "", None, baseline, row.get("drafter", "none")))
+    by_name = {w.name: w for w in workloads(False)}
+    loads = [by_name[name] for name in dict.fromkeys(r.workload for r in records)]
+    meta = {**data["meta"], "resummarised": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    write_report(path.parent, meta, summarise(configs, loads, records), records)
     return 0
 
 

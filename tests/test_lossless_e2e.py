@@ -208,6 +208,19 @@ def test_local_ngram_adaptive_is_identical(exact_local_gateway: Service) -> None
     assert spec["timings"]["verify_calls"] < plain["timings"]["verify_calls"]
 
 
+def test_seeded_sampled_requests_keep_a_fixed_k_unless_they_ask(exact_local_gateway: Service) -> None:
+    """Adaptive k follows timings, so by default a seeded sampled request drafts at a fixed k (same seed, same text);
+    asking for adaptive k explicitly gets it. Seen in the mean draft length: fixed counts n_max for every round
+    (fewer only in the last rounds), the policy only what it sends."""
+    body = {"temperature": 0.7, "seed": 5, "logprobs": False, "top_logprobs": None}
+    fixed = _chat(exact_local_gateway, PROMPTS[4], n_max=32, **body, **{"speculative.adaptive": None})
+    again = _chat(exact_local_gateway, PROMPTS[4], n_max=32, **body, **{"speculative.adaptive": None})
+    chosen = _chat(exact_local_gateway, PROMPTS[4], n_max=32, **body, **{"speculative.adaptive": True})
+    assert fixed["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"]
+    assert fixed["timings"]["draft_length_mean"] > 8
+    assert chosen["timings"]["draft_length_mean"] < fixed["timings"]["draft_length_mean"] / 2
+
+
 def test_ngram_requests_default_to_long_drafts(exact_local_gateway: Service) -> None:
     """With no --n-max, an n-gram drafter may draft up to 32 tokens a round (its confidence rule sizes each draft):
     copying a function, some round drafts more than the model drafters' default of 8."""
