@@ -307,15 +307,42 @@ def verify_greedy(target_argmax: Sequence[int], draft_tokens: Sequence[int]) -> 
     return VerifyOutcome(n_accepted=n, next_token=int(target_argmax[n]))
 
 
+class WarpedRows:
+    """A round's target logits rows, each warped on first use.
+
+    Verification reads rows only up to the first rejection (and the row after it), so a long draft that fails early
+    no longer pays a softmax over the whole vocabulary for every row (~0.2 ms each at 49k tokens).
+    """
+
+    def __init__(self, logits_rows: Sequence[np.ndarray] | np.ndarray, params: SamplingParams) -> None:
+        self._rows = logits_rows
+        self._params = params
+        self._warped: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if i not in self._warped:
+            self._warped[i] = warp(self._rows[i], self._params)
+        return self._warped[i]
+
+    @property
+    def warped(self) -> int:
+        """Rows warped so far."""
+        return len(self._warped)
+
+
 def verify_stochastic(
-    target_probs: np.ndarray,
+    target_probs: np.ndarray | WarpedRows,
     draft_tokens: Sequence[int],
     draft_dists: Sequence[SparseDist | None],
     rng: np.random.Generator,
 ) -> VerifyOutcome:
     """Speculative-sampling verification of one round; output is distributed exactly as the target.
 
-    target_probs has shape (k+1, V) and holds warped distributions. Uses acceptance_probability,
+    target_probs has shape (k+1, V) and holds warped distributions (or is a WarpedRows, warping only the rows
+    read). Uses acceptance_probability,
     residual_distribution and sample (these pure functions ARE the implementation, so tests can enumerate
     through them). Draws one uniform per examined draft token, then one for the recovered/bonus token.
     With k == 0 it just samples from target_probs[0].
@@ -323,9 +350,13 @@ def verify_stochastic(
     k = len(draft_tokens)
     if len(draft_dists) != k:
         raise ValueError(f"{k} draft tokens but {len(draft_dists)} draft distributions")
-    target_probs = np.asarray(target_probs, dtype=np.float64)
-    if target_probs.ndim != 2 or target_probs.shape[0] != k + 1:
-        raise ValueError(f"target_probs must have shape ({k + 1}, V), got {target_probs.shape}")
+    if isinstance(target_probs, WarpedRows):
+        if len(target_probs) != k + 1:
+            raise ValueError(f"target_probs must have {k + 1} rows, got {len(target_probs)}")
+    else:
+        target_probs = np.asarray(target_probs, dtype=np.float64)
+        if target_probs.ndim != 2 or target_probs.shape[0] != k + 1:
+            raise ValueError(f"target_probs must have shape ({k + 1}, V), got {target_probs.shape}")
     for i in range(k):
         token = int(draft_tokens[i])
         p, q = target_probs[i], draft_dists[i]

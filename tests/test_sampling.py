@@ -22,6 +22,7 @@ from tandem.sampling import (
     SamplingParams,
     SparseDist,
     VerifyOutcome,
+    WarpedRows,
     acceptance_probability,
     residual_distribution,
     sample,
@@ -696,3 +697,23 @@ def test_verify_stochastic_validates_shapes() -> None:
         verify_stochastic(np.full((2, 3), 1 / 3), [0, 1], [None, None], rng)
     with pytest.raises(ValueError):
         verify_stochastic(np.full((2, 3), 1 / 3), [0], [], rng)
+
+
+def test_lazily_warped_rows_give_the_same_outcome_and_skip_unread_rows() -> None:
+    """WarpedRows (what the target passes) must verify exactly as the dense (k+1, V) array, seed for seed, while
+    warping only the rows read: up to the first rejection, plus the row the next token comes from."""
+    rng = np.random.default_rng(21)
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9)
+    read_less = 0
+    for trial in range(300):
+        k = int(rng.integers(0, 8))
+        logits = rng.normal(0.0, 2.0, size=(k + 1, 64)).astype(np.float32)
+        drafts = [int(t) for t in rng.integers(0, 64, size=k)]
+        dense = np.stack([warp(row, params) for row in logits])
+        lazy = WarpedRows(logits, params)
+        a = verify_stochastic(dense, drafts, [None] * k, np.random.default_rng(trial))
+        b = verify_stochastic(lazy, drafts, [None] * k, np.random.default_rng(trial))
+        assert a == b
+        assert lazy.warped == a.n_accepted + 1
+        read_less += lazy.warped < k + 1
+    assert read_less > 100  # most random drafts fail early: the rows after the rejection were never warped

@@ -288,7 +288,7 @@ class Verifier:
                 n += 1
             outcome = sampling.VerifyOutcome(n, int(argmax[n]))
         else:
-            probs = np.stack([sampling.warp(r, session.sampling) for r in rows])
+            probs = sampling.WarpedRows(rows, session.sampling)  # warped as read: up to the first rejection
             dists = list(spec.draft_dists) if spec.draft_dists is not None else [None] * k
             outcome = sampling.verify_stochastic(probs, drafts, dists, session.rng)
         n = outcome.n_accepted
