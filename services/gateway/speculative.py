@@ -312,9 +312,9 @@ class Generation:
                 if m:
                     m.observe_round(len(drafts), result.num_accepted, round_ns, draft_compute + verify_compute)
                 for token in result.tokens:
-                    self._emitted(token)
+                    last = self._emitted(token)
                     yield token
-                    if token.is_eog or self._produced >= self.req.max_tokens:
+                    if last:
                         return
         finally:
             self.stats.predicted_ns = time.perf_counter_ns() - self._t1
@@ -359,9 +359,9 @@ class Generation:
                 if self.metrics:
                     self.metrics.observe_round(0, 0, round_ns, timing.forward_ns)
                 for token in result.tokens:
-                    self._emitted(token)
+                    last = self._emitted(token)
                     yield token
-                    if token.is_eog or self._produced >= self.req.max_tokens:
+                    if last:
                         return
         finally:
             for call in inflight:
@@ -392,7 +392,8 @@ class Generation:
         if self.match_policy is not None:
             self.match_policy.observe(len(drafts), result.num_accepted)
 
-    def _emitted(self, token: pb.Token) -> None:
+    def _emitted(self, token: pb.Token) -> bool:
+        """Count an emitted token; True when it ends the generation (end of text or max_tokens)."""
         if self._draft_has:
             self._draft_has -= 1  # sent with a draft-ahead already
         else:
@@ -406,6 +407,7 @@ class Generation:
                 self.metrics.inter_token.observe((now - self._last) / 1e9)
             self.metrics.generation_tokens.inc()
         self._last = now
+        return token.is_eog or self._produced >= self.req.max_tokens
 
     async def _propose(self, k: int, round_span: trace.Span) -> tuple[list[int], list, int, int]:
         """Up to k draft tokens (and their distributions): from the n-gram lookahead when it still holds, else
@@ -548,9 +550,8 @@ class Generation:
             span.end()
         if timed:
             self.stats.verify_ns += time.perf_counter_ns() - v0
-        self.stats.verify_forward_ns += reply.timing.forward_ns
-        if timed:
             self.stats.verify_service_ns += reply.timing.total_ns
+        self.stats.verify_forward_ns += reply.timing.forward_ns
         self.stats.verify_calls += 1
         return reply.results[0], reply.timing
 
