@@ -184,6 +184,10 @@ class EngineWorker:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    def submit(self, fn: Callable[[], Any]) -> None:
+        """Start fn on the engine thread (the step scheduler's loop), without waiting for it."""
+        self._pool.submit(fn)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 

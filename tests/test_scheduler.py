@@ -107,8 +107,11 @@ def test_chunked_job_lets_waiting_calls_run_between_its_steps() -> None:
     order: list[str] = []
 
     def prefill():
+        import time
+
         for chunk in range(3):
             order.append(f"chunk {chunk}")
+            time.sleep(0.02)  # a forward pass over one chunk of the prompt
             yield
         order.append("chunk 3")
         return "prefilled"
@@ -216,3 +219,48 @@ def test_a_call_queued_behind_another_for_its_session_waits_for_the_next_step() 
     outcomes, work = plan_step([groups[1], groups[3]], check)
     assert [g for g, _ in work] == [0]
     assert isinstance(outcomes[1], PositionMismatch)
+
+
+def test_the_next_step_starts_on_the_engine_thread_while_the_event_loop_is_busy() -> None:
+    """Scheduling runs on the engine thread: a queued call's step starts when the engine is free, even while the
+    event loop is still busy (with the last step's answers, in a service), not after a hop through the loop."""
+    import time
+
+    ran_at: list[float] = []
+
+    def verify(groups):
+        ran_at.append(time.monotonic())
+        return [["ok"] for _ in groups]
+
+    async def main():
+        scheduler = verify_scheduler(verify)
+        gate = threading.Event()
+        blocker = asyncio.create_task(scheduler.job(gate.wait))
+        await asyncio.sleep(0.05)
+        call = asyncio.create_task(scheduler.batched("verify", ["a"]))
+        await asyncio.sleep(0.01)  # the call is queued behind the blocking job
+        gate.set()
+        time.sleep(0.2)  # the event loop is busy: nothing on it can start the step
+        loop_free = time.monotonic()
+        await blocker
+        assert await call == ["ok"]
+        return loop_free
+
+    loop_free = run(main())
+    assert len(ran_at) == 1 and ran_at[0] < loop_free - 0.1
+
+
+def test_an_idle_scheduler_gives_the_engine_thread_back() -> None:
+    """After IDLE_LINGER_S without work the loop returns, so other engine work (and shutdown) can use the thread."""
+    worker = EngineWorker()
+
+    async def main():
+        scheduler = StepScheduler(worker)
+        scheduler.register("verify", lambda groups: [["ok"] for _ in groups])
+        assert await scheduler.batched("verify", [1]) == ["ok"]
+        await asyncio.sleep(StepScheduler.IDLE_LINGER_S * 3)
+        assert await asyncio.wait_for(worker.run(lambda: "free"), 1.0) == "free"
+        assert await scheduler.batched("verify", [2]) == ["ok"]  # and it starts again on the next call
+
+    run(main())
+    worker.shutdown()
