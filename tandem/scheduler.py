@@ -165,8 +165,8 @@ class StepScheduler:
         with self._cond:
             add()
             if not self._running:
+                self.worker.submit(self._loop)  # raises once the worker is shut down: the call fails, nothing hangs
                 self._running = True
-                self.worker.submit(self._loop)
             self._cond.notify()
 
     async def batched(self, kind: str, items: Sequence[Any]) -> list[Any]:
