@@ -7,7 +7,9 @@
   (default) and without, and of the cold first turn;
 - TTFT with speculation on against target-only on the same long prompts (draft and target prefill concurrently);
 - overlapped drafting: a model draft and the target on one core each (two devices in miniature), with the draft
-  drafting the next round during verification (default) and without.
+  drafting the next round during verification (default) and without;
+- pipelined lookup rounds (`--sections pipeline`, not in the default set): the gateway's prompt lookup sending its
+  rounds without a draft ahead (default) and one call at a time, against target-only decoding, on every workload.
 Adaptive draft length is measured by the main harness (`python -m bench`, rows "adaptive").
 
 Every section starts its stacks, measures them interleaved, and stops them; results go to a Markdown table on
@@ -354,6 +356,55 @@ async def overlap(stacks: Stacks, max_tokens: int, reps: int) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------------------------------------ pipelined lookup
+
+
+async def pipeline(stacks: Stacks, threads: str, max_tokens: int, reps: int) -> list[dict]:
+    """The gateway's prompt lookup with its rounds without a draft pipelined (default) and one call at a time
+    (`--plain-pipeline 1`), against target-only decoding, on every benchmark workload (both prompts each)."""
+    log("starting the pipeline stack (one target, two local n-gram gateways) ...")
+    target = stacks.service("services.target", ["--n-threads", threads, "--no-prefix-cache"])
+    urls = {"on": stacks.gateway(target, None, "--local-ngram"),
+            "off": stacks.gateway(target, None, "--local-ngram", "--plain-pipeline", "1")}  # fmt: skip
+    configs = [("target-only", "on", {"speculative.n_max": 0}), ("lookup, pipelined", "on", {}),
+               ("lookup, one call at a time", "off", {})]  # fmt: skip
+    samples: dict[tuple[str, int, str], list[dict]] = {}
+    async with httpx.AsyncClient() as client:
+        for rep in range(reps):
+            for w in workloads(quick=False):
+                sampling = {"temperature": w.temperature, **({"seed": w.seed} if w.seed is not None else {})}
+                for i, prompt in enumerate(w.prompts):
+                    shift = (rep + i) % len(configs)  # rotate the order, so drift hits every configuration
+                    for name, gw, spec in configs[shift:] + configs[:shift]:
+                        reply = await chat(
+                            client, urls[gw], [{"role": "user", "content": prompt}], max_tokens, **sampling, **spec
+                        )
+                        samples.setdefault((w.name, i, name), []).append(reply)
+                log(f"pipeline: repetition {rep + 1} of {reps} done")
+    stacks.stop()
+
+    def rate(name: str, w, i: int) -> float:
+        return statistics.median(r["timings"]["predicted_per_second"] for r in samples[(w.name, i, name)])
+
+    rows = []
+    for w in workloads(quick=False):
+        n = len(w.prompts)
+        base = [rate("target-only", w, i) for i in range(n)]
+        for name, _, _ in configs:
+            rates = [rate(name, w, i) for i in range(n)]
+            ratios = [a / b for a, b in zip(rates, base, strict=True)]
+            replies = [r for i in range(n) for r in samples[(w.name, i, name)]]
+            rounds = sum(r["timings"]["verify_calls"] for r in replies)
+            rows.append({"section": "pipeline", "workload": w.name, "setting": name,
+                         "tok_s": round(statistics.geometric_mean(rates), 1),
+                         "speedup": round(statistics.geometric_mean(ratios), 3),
+                         "pipelined_share": round(sum(r["timings"].get("pipelined_rounds", 0) for r in replies)
+                                                  / rounds, 3) if rounds else None,
+                         "drafted_rounds_share": round(sum(r["timings"]["rounds"] for r in replies) / rounds, 3)
+                         if rounds else None})  # fmt: skip
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------ report
 
 
@@ -382,6 +433,9 @@ def plot(rows: list[dict], path: Path) -> None:
             values.append(r["ratio"])
         elif r["section"] == "overlap":
             labels.append(f"overlap {r['workload']}\n{r['setting']}")
+            values.append(r["speedup"])
+        elif r["section"] == "pipeline":
+            labels.append(f"{r['workload']}\n{r['setting']}")
             values.append(r["speedup"])
         elif r["section"] == "prefix":
             labels.append(r["setting"].replace(", ", "\n"))
@@ -431,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += asyncio.run(ttft_speculation(stacks, args.reps + 1))
         if "overlap" in sections:
             rows += asyncio.run(overlap(stacks, args.max_tokens, args.reps))
+        if "pipeline" in sections:
+            rows += asyncio.run(pipeline(stacks, args.threads, args.max_tokens, args.reps))
     finally:
         stacks.stop()
     meta = {"command": " ".join(["python -m bench.features", *(argv if argv is not None else sys.argv[1:])]),

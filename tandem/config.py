@@ -213,7 +213,9 @@ class GatewaySettings(BaseSettings):
         ge=1,
         le=4,
         description="target-only decoding: Verify calls kept in flight per request, so the target starts the next"
-        " token without waiting a round trip for the gateway (1 = one at a time)",
+        " token without waiting a round trip for the gateway (1 = one at a time). Above 1, the gateway's prompt"
+        " lookup (--local-ngram) also sends its rounds without a draft ahead, each conditional on the token before"
+        " it not being one the lookup would draft after",
     )
     max_tokens_default: int = Field(512, ge=1, description="max_tokens when the request gives none")
     rpc_timeout_s: float = Field(30.0, gt=0, description="deadline of each gRPC call")

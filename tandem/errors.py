@@ -29,6 +29,12 @@ class PositionMismatch(TandemError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class ConditionNotMet(TandemError):
+    """A conditional call's condition did not hold (see VerifyItem.unless_pending_in): state was not touched."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class ResourceExhausted(TandemError):
     """No free session slot or KV cells: retry later or with a shorter prompt."""
 

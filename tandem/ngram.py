@@ -6,7 +6,7 @@ per round, no model) and right when the output repeats the input, as code edits,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 NGRAM_MIN = 2  # shortest suffix matched by default: a one-token match drafts noise
 NGRAM_MAX = 16  # longest suffix looked up by default
@@ -31,6 +31,7 @@ class NgramIndex:
         self.follow: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in lengths}
         self._longest_first = sorted(self.follow, reverse=True)
         self.indexed = 0  # tokens[:indexed] are in the index
+        self.successors: dict[int, set[int]] = {}  # token -> every token that followed it (for draft_triggers)
 
     def extend(self, tokens: Sequence[int]) -> None:
         # The n-gram ending just before position j is followed by tokens[j].
@@ -38,19 +39,22 @@ class NgramIndex:
             for n, table in self.follow.items():
                 if j >= n:
                     table[tuple(tokens[j - n : j])] = j
+            self.successors.setdefault(tokens[j - 1], set()).add(tokens[j])
         self.indexed = len(tokens)
 
-    def match(self, tokens: Sequence[int]) -> tuple[int, int]:
+    def match(self, tokens: Sequence[int], then: int | None = None) -> tuple[int, int]:
         """(position that follows the best earlier occurrence of the sequence's suffix, matched length), or (-1, 0).
 
         The best occurrence is the latest one of the longest indexed suffix; its matched length is then counted
-        exactly, up to MATCH_CAP tokens.
+        exactly, up to MATCH_CAP tokens. With `then`, the sequence is tokens + [then], without copying tokens (a
+        lookup ahead of the next token: see PromptLookup.draft_triggers).
         """
-        end = len(tokens)
+        end = len(tokens) + (then is not None)
         for n in self._longest_first:
             if n > end:
                 continue
-            j = self.follow[n].get(tuple(tokens[end - n :]))
+            key = tuple(tokens[end - n :]) if then is None else (*tokens[end - n : end - 1], then)
+            j = self.follow[n].get(key)
             if j is not None:
                 m = n
                 while m < MATCH_CAP and j - m - 1 >= 0 and tokens[j - m - 1] == tokens[end - m - 1]:
@@ -105,3 +109,31 @@ class PromptLookup:
         self.index.extend(self.tokens)
         draft, self.last_match = ngram_draft_matched(self.index, self.tokens, max_tokens)
         return draft
+
+    def draft_triggers(
+        self, committed: Sequence[int], max_tokens: int, keeps: Callable[[int, int], bool], limit: int = 256
+    ) -> frozenset[int] | None:
+        """The tokens after which the next `propose` would draft something `keeps(match_len, drafted)` accepts.
+
+        For pipelining rounds without a draft: while the target computes the next token t, the caller can already
+        send the round after it, to be skipped if t is one of these. Any other t gives no draft, exactly as if the
+        caller had waited for t and looked it up. A draft needs a match of at least two tokens, so t must have
+        followed the current last token before; each such candidate is looked up in full (~1.5 us each). Returns None
+        when more than `limit` tokens have followed it (too costly to check each round: do not pipeline).
+        """
+        self.tokens.extend(committed)
+        self.index.extend(self.tokens)
+        last = self.tokens[-1]
+        candidates = self.index.successors.get(last, set())
+        if len(candidates) > limit:
+            return None
+        # A repeated token can match the n-gram that the next extend indexes (ending at the current last token):
+        # listed without a lookup, it only costs a pipelined round.
+        triggers = {last}
+        for t in candidates:
+            # The backward count of the match length never reaches t: it starts n >= 2 tokens before the end.
+            j, m = self.index.match(self.tokens, then=t)
+            n = min(max_tokens, m - 1, len(self.tokens) + 1 - j) if j >= 0 else 0
+            if n > 0 and keeps(m, n):
+                triggers.add(t)
+        return frozenset(triggers)

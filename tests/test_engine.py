@@ -47,6 +47,33 @@ def test_unequal_drafts_in_one_batch_match_decoding_alone(engine: Engine) -> Non
             np.testing.assert_array_equal(rows, alone, err_msg=f"counts {counts}, seq {item.seq_id}")
 
 
+def test_logits_views_equal_copies_and_stay_valid_across_calls_of_one_decode(engine: Engine) -> None:
+    """decode(copy=False) hands out views of llama.cpp's buffer (a verify step reads them at once): same values as
+    copies, read-only, and when the batch needs several llama_decode calls (unequal lengths) every row still holds
+    its own logits, not those of the last call."""
+    prompt = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 3)
+
+    def fresh() -> None:
+        for seq in (0, 1):
+            engine.clear(seq)
+            engine.decode([DecodeItem(seq, prompt, 0, "none")])
+
+    one = [DecodeItem(0, [500, 600, 700], len(prompt), "all")]
+    fresh()
+    (copied,) = engine.decode(one)
+    fresh()
+    (viewed,) = engine.decode(one, copy=False)
+    np.testing.assert_array_equal(viewed, copied)
+    assert not viewed.flags.writeable and not viewed.flags.owndata
+    two = [DecodeItem(0, [500, 600, 700], len(prompt), "all"), DecodeItem(1, [800], len(prompt), "all")]
+    fresh()
+    expected = engine.decode(two)
+    fresh()
+    got = engine.decode(two, copy=False)
+    for want, rows in zip(expected, got, strict=True):
+        np.testing.assert_array_equal(rows, want)
+
+
 def test_prefill_in_chunks_equals_one_pass(engine: Engine) -> None:
     prompt = engine.tokenize("The history of lighthouses. " * 20)  # over n_batch=64 tokens: several chunks
     engine.clear(0)

@@ -221,6 +221,30 @@ def test_seeded_sampled_requests_keep_a_fixed_k_unless_they_ask(exact_local_gate
     assert chosen["timings"]["draft_length_mean"] < fixed["timings"]["draft_length_mean"] / 2
 
 
+@pytest.fixture(scope="module")
+def exact_local_serial_gateway(exact_target: Service, service_tmp: Path) -> Iterator[Service]:
+    """The same, with one call in flight at a time: no pipelined rounds."""
+    service = start_gateway(exact_target.address, None, service_tmp, "--local-ngram", "--plain-pipeline", "1")
+    yield service
+    service.stop()
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "seed": 11, "logprobs": False, "top_logprobs": None}])
+def test_pipelined_rounds_without_a_draft_change_nothing(
+    exact_local_gateway: Service, exact_local_serial_gateway: Service, sampling: dict
+) -> None:
+    """Free prose repeats little, so most rounds have no draft and go out pipelined (each one conditional on the
+    token before it not being one the lookup would draft after). The text, token for token, and the drafts must be
+    those of the same gateway sending one call at a time, greedy and seeded sampling alike."""
+    pipelined = _chat(exact_local_gateway, PROMPTS[2], n_max=8, **sampling)
+    serial = _chat(exact_local_serial_gateway, PROMPTS[2], n_max=8, **sampling)
+    assert pipelined["choices"][0]["message"]["content"] == serial["choices"][0]["message"]["content"]
+    assert pipelined["timings"]["pipelined_rounds"] > 10 and serial["timings"]["pipelined_rounds"] == 0
+    for key in ("draft_n", "draft_n_accepted", "predicted_n"):
+        assert pipelined["timings"][key] == serial["timings"][key], key
+    assert pipelined["timings"]["verify_calls"] == serial["timings"]["verify_calls"]  # skipped calls do not count
+
+
 def test_ngram_requests_default_to_long_drafts(exact_local_gateway: Service) -> None:
     """With no --n-max, an n-gram drafter may draft up to 32 tokens a round (its confidence rule sizes each draft):
     copying a function, some round drafts more than the model drafters' default of 8."""

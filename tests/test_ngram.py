@@ -236,3 +236,41 @@ def test_prompt_lookup_drafts_from_the_prompt_and_what_was_committed() -> None:
     assert lookup.propose([1, 2, 3, 4], 8) == [5, 6, 7]
     assert lookup.propose([5, 6, 7, 8], 8) == [9, 1, 2, 3, 4, 5, 6]
     assert lookup.propose([], 2) == [9, 1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_draft_triggers_are_exactly_the_tokens_after_which_propose_drafts(seed: int) -> None:
+    """Pipelined rounds rely on this: for every possible next token t, t is a trigger if and only if looking t up
+    (what the gateway would do after waiting for it) gives a draft the policy keeps. Small vocabularies make long
+    and repeated matches (and runs of one token) common; a policy that keeps only long matches is checked too."""
+    import copy
+
+    from tandem.ngram import PromptLookup
+
+    rng = np.random.default_rng(seed)
+    vocab = int(rng.integers(3, 12))
+    tokens = [int(t) for t in rng.integers(0, vocab, size=int(rng.integers(5, 120)))]
+    for keeps in (lambda m, n: True, lambda m, n: m >= 4 and n >= 2):
+        for max_tokens in (1, 8, 32):
+            lookup = PromptLookup(tokens[:3])
+            lookup.propose(tokens[3:-1], max_tokens)  # a lookup with a history, as in a running request
+            ahead = copy.deepcopy(lookup)
+            triggers = ahead.draft_triggers([tokens[-1]], max_tokens, keeps)
+            assert triggers is not None
+            for t in range(vocab + 1):
+                after = copy.deepcopy(lookup)
+                draft = after.propose([tokens[-1], t], max_tokens)
+                drafts = bool(draft) and keeps(after.last_match, len(draft))
+                if drafts:
+                    assert t in triggers, (t, draft)
+                elif t != tokens[-1]:  # the last token itself is always listed (see draft_triggers)
+                    assert t not in triggers, t
+
+
+def test_draft_triggers_give_up_when_too_many_tokens_could_follow() -> None:
+    from tandem.ngram import PromptLookup
+
+    tokens = [t for i in range(100) for t in (7, i + 10)]  # 7 was followed by 100 different tokens
+    lookup = PromptLookup(tokens)
+    assert lookup.draft_triggers([7], 8, lambda m, n: True, limit=64) is None
+    assert lookup.draft_triggers([], 8, lambda m, n: True, limit=200) is not None

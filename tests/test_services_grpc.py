@@ -162,6 +162,27 @@ def test_position_mismatch_and_retry(target_channel: grpc.Channel) -> None:
     stub.Close(pb.CloseRequest(session_ids=[sid]))
 
 
+def test_conditional_verify_runs_only_if_the_pending_token_is_not_listed(target_channel: grpc.Channel) -> None:
+    """unless_pending_in (pipelined rounds without a draft): a listed pending token refuses the call with
+    FAILED_PRECONDITION and leaves the session as it was; an unlisted one runs it like a plain call."""
+    stub = pb_grpc.TargetStub(target_channel)
+    prompt = _prompt(stub)
+    sid = _sid()
+    opened = stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)]))
+    pending, pos = opened.results[0].first_token.id, opened.results[0].position
+    listed = pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, unless_pending_in=[3, pending])])
+    assert _code(lambda: stub.Verify(listed)) == grpc.StatusCode.FAILED_PRECONDITION
+    assert _code(lambda: stub.Verify(listed)) == grpc.StatusCode.FAILED_PRECONDITION  # nothing moved
+    unlisted = pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, unless_pending_in=[pending + 1])])
+    ran = stub.Verify(unlisted).results[0]
+    assert ran.position == pos + 1 and len(ran.tokens) == 1
+    plain_sid = _sid()
+    stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=plain_sid, prompt_token_ids=prompt, sampling=GREEDY)]))
+    plain = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=plain_sid, position=pos)])).results[0]
+    assert ran.tokens[0].id == plain.tokens[0].id
+    stub.Close(pb.CloseRequest(session_ids=[sid, plain_sid]))
+
+
 def test_bad_calls_get_status_codes(target_channel: grpc.Channel) -> None:
     stub = pb_grpc.TargetStub(target_channel)
     unknown = pb.VerifyRequest(items=[pb.VerifyItem(session_id="nope", position=1)])

@@ -230,6 +230,11 @@ class MatchLengthPolicy:
     def choose(self, match_len: int, available: int) -> int:
         """How many of the `available` proposed tokens (behind a `match_len`-token match) to send this round."""
         self._match = match_len
+        self.last_choice = self.best_k(match_len, available)
+        return self.last_choice
+
+    def best_k(self, match_len: int, available: int) -> int:
+        """`choose` without recording the choice (the gateway asks it ahead, for pipelined rounds)."""
         lo = max(self.n_min, 1)
         if available < lo:
             k = 0
@@ -243,7 +248,6 @@ class MatchLengthPolicy:
                 expected += survive
                 if n >= lo and expected / self.costs.round_ns(n) > best:
                     k, best = n, expected / self.costs.round_ns(n)
-        self.last_choice = k
         return k
 
     def observe(self, drafted: int, accepted: int) -> None:

@@ -66,6 +66,7 @@ class GenerationStats:
     verify_calls: int = 0  # all verify calls, with or without a draft
     lookahead_rounds: int = 0  # rounds whose draft came from the n-gram lookahead, with no Propose call
     overlapped_rounds: int = 0  # rounds whose draft was drafted during the previous verification
+    pipelined_rounds: int = 0  # rounds without a draft sent before the previous one's answer (see _lookup_stretch)
     draft_n: int = 0
     draft_n_accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -118,6 +119,7 @@ class GenerationStats:
             "verify_calls": self.verify_calls,
             "lookahead_rounds": self.lookahead_rounds,
             "overlapped_rounds": self.overlapped_rounds,
+            "pipelined_rounds": self.pipelined_rounds,
             "draft_compute_ms": round(self.draft_forward_ns / 1e6, 3),
             "verify_compute_ms": round(self.verify_forward_ns / 1e6, 3),
             "draft_rpc_ms": round(self.draft_ns / 1e6, 3),
@@ -155,6 +157,9 @@ class Generation:
         # Prompt lookup in this process (no draft service, no Propose RPC): the sequence so far and its index.
         self._local: PromptLookup | None = PromptLookup(request.prompt_token_ids) if local_ngram else None
         self._use_draft = (upstreams.draft is not None or self._local is not None) and request.n_max > 0
+        # Rounds without a draft go out pipelined when the lookup runs here and knows which tokens would end them.
+        self._pipelines_lookup = self._local is not None and plain_pipeline > 1
+        self._finished = False  # set by _lookup_stretch when the generation ended inside it
         self._draft_open = False
         self._span: trace.Span = trace.INVALID_SPAN
         self._model_free_draft = self._local is not None or upstreams.draft_is_ngram
@@ -280,26 +285,36 @@ class Generation:
                 round_span = self._child("round")
                 round_start = time.perf_counter_ns()
                 ahead: asyncio.Task | None = None
+                stretch = False
                 try:
                     drafts, dists, draft_compute, proposed = await self._propose(k, round_span)
                     guess = self._guess
-                    if (
-                        guess is not None
-                        and drafts
-                        and self._use_draft
-                        and worth_drafting_ahead(self.acceptance, len(drafts))
-                    ):
-                        # Overlapped drafting: while the target verifies, the draft goes on from its guess of the
-                        # target's own token, as if every draft will be accepted.
-                        tentative = [*drafts, guess]
-                        ahead = asyncio.ensure_future(self._propose_rpc(tentative, len(drafts) + 1, round_span))
-                    result, timing = await self._verify(drafts, dists, round_span, guess if ahead else None)
+                    if not drafts and self._pipelines_lookup:
+                        stretch = True  # no draft this round: verify it, and the rounds after it, pipelined
+                    else:
+                        if (
+                            guess is not None
+                            and drafts
+                            and self._use_draft
+                            and worth_drafting_ahead(self.acceptance, len(drafts))
+                        ):
+                            # Overlapped drafting: while the target verifies, the draft goes on from its guess of
+                            # the target's own token, as if every draft will be accepted.
+                            tentative = [*drafts, guess]
+                            ahead = asyncio.ensure_future(self._propose_rpc(tentative, len(drafts) + 1, round_span))
+                        result, timing = await self._verify(drafts, dists, round_span, guess if ahead else None)
                 except BaseException:
                     if ahead is not None:
                         ahead.cancel()
                     raise
                 finally:
                     round_span.end()
+                if stretch:
+                    async for token in self._lookup_stretch():
+                        yield token
+                    if self._finished:
+                        return
+                    continue
                 if ahead is not None:
                     draft_compute += await self._settle_ahead(ahead, drafts, guess, result)
                 verify_compute = timing.forward_ns
@@ -368,6 +383,70 @@ class Generation:
                 call.cancel()
             if inflight:
                 await asyncio.gather(*inflight, return_exceptions=True)
+
+    async def _lookup_stretch(self) -> AsyncIterator[pb.Token]:
+        """Rounds without a draft, pipelined (prompt lookup in this process).
+
+        The lookup found nothing for this round, so it verifies just the target's own next token t. While the target
+        computes t, the round after it goes out too, conditional: the target skips it if t is one of the tokens after
+        which the lookup would draft (`PromptLookup.draft_triggers`, with the same policy). For any other t it is
+        exactly the plain round the gateway would send after looking t up, but it already waits at the target, so
+        text that repeats nothing decodes like target-only decoding, without a gRPC round trip per token. Returns to
+        the main loop when a draft is due, or at the end (then `_finished` is set).
+        """
+        assert self._local is not None
+        current: asyncio.Future | None = asyncio.ensure_future(
+            self._verify([], [], self._span, position=self._target_pos, timed=False)
+        )
+        ahead: asyncio.Future | None = None
+        try:
+            while current is not None:
+                wait_start = time.perf_counter_ns()
+                if self.match_policy is not None:
+                    self.match_policy.observe(0, 0)  # the round in flight drafts nothing: known before its answer
+                cap = min(self.req.n_max, self.req.max_tokens - self._produced - 2)  # the next round's k
+                triggers: frozenset[int] | None = None
+                if self._produced + 1 < self.req.max_tokens and cap <= 0:
+                    triggers = frozenset()  # the next round is the last one: it drafts nothing whatever t is
+                elif self._produced + 1 < self.req.max_tokens:
+                    triggers = self._local.draft_triggers(self._unsent, cap, self._keeps)
+                    self._unsent = []  # now in the lookup's sequence
+                if triggers is not None:
+                    ahead = asyncio.ensure_future(
+                        self._verify([], [], self._span, position=self._target_pos + 1, timed=False, unless=triggers)
+                    )
+                result, timing = await current
+                current = None
+                self._target_pos = result.position
+                round_ns = time.perf_counter_ns() - wait_start
+                self.stats.verify_ns += round_ns
+                self.costs.observe_verify(timing.step_tokens, timing.step_sequences, timing.forward_ns)
+                if self.metrics:
+                    self.metrics.observe_round(0, 0, round_ns, timing.forward_ns)
+                for token in result.tokens:
+                    if self._emitted(token):
+                        self._finished = True
+                        yield token
+                        return
+                    yield token
+                if ahead is None or triggers is None or result.tokens[-1].id in triggers:
+                    return  # the target skips `ahead` (or there is none): the main loop looks the token up
+                current, ahead = ahead, None
+                self.stats.pipelined_rounds += 1
+                self.stats.k_rounds += 1
+        finally:
+            pending = [call for call in (current, ahead) if call is not None]
+            for call in pending:
+                call.cancel()  # sent or not, the target's state stays valid: a skipped or stale call changes nothing
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+
+    def _keeps(self, match_len: int, drafted: int) -> bool:
+        """Whether the main loop would send a lookup draft of `drafted` tokens behind a `match_len`-token match."""
+        lo = max(self.req.n_min, 1)
+        if self.match_policy is not None:
+            return self.match_policy.best_k(match_len, drafted) >= lo
+        return drafted >= lo
 
     def _choose_k(self) -> int:
         cap = self.req.max_tokens - self._produced - 1
@@ -527,6 +606,7 @@ class Generation:
         guess: int | None = None,
         position: int | None = None,
         timed: bool = True,
+        unless: frozenset[int] | None = None,
     ) -> tuple[pb.VerifyResult, pb.Timing]:
         v0 = time.perf_counter_ns()
         span = self._child("verify", round_span)
@@ -540,6 +620,7 @@ class Generation:
                             draft_token_ids=drafts,
                             draft_distributions=dists,
                             **({"bonus_guess": guess} if guess is not None else {}),
+                            unless_pending_in=sorted(unless) if unless else (),
                         )
                     ],
                     trace_context=carrier_for(span),

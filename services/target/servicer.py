@@ -108,6 +108,7 @@ class TargetServicer(pb_grpc.TargetServicer):
                 if item.draft_distributions
                 else None,
                 item.bonus_guess if item.HasField("bonus_guess") else None,
+                frozenset(item.unless_pending_in),
             )
             for item in request.items
         ]

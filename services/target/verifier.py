@@ -17,7 +17,7 @@ import numpy as np
 
 from tandem import sampling
 from tandem.engine import DecodeItem, Engine
-from tandem.errors import InvalidArgument, SessionNotFound, TandemError
+from tandem.errors import ConditionNotMet, InvalidArgument, SessionNotFound, TandemError
 from tandem.sampling import SamplingParams, SparseDist
 from tandem.scheduler import plan_step, step_results
 from tandem.sessions import Session, SessionStore, make_rng
@@ -54,6 +54,7 @@ class VerifySpec:
     draft_tokens: Sequence[int]
     draft_dists: Sequence[SparseDist] | None  # None: deterministic draft (greedy model or n-gram)
     bonus_guess: int | None = None  # overlapped drafting: the draft's guess for the target's own token
+    unless_pending_in: frozenset[int] = frozenset()  # pipelined plain rounds: skip if the pending token is one of these
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,10 @@ class Verifier:
             key = ("verify", spec.position, tuple(spec.draft_tokens))
             hit = session.expect_position(spec.position, key)
             if hit is None:
+                if spec.unless_pending_in and session.tokens[-1] in spec.unless_pending_in:
+                    raise ConditionNotMet(
+                        f"session {session.session_id}: pending token {session.tokens[-1]} is in unless_pending_in"
+                    )
                 self.engine.check_tokens(spec.draft_tokens)
                 if spec.draft_dists is not None and len(spec.draft_dists) != len(spec.draft_tokens):
                     raise InvalidArgument("draft_distributions must be empty or one per draft token")
@@ -250,7 +255,8 @@ class Verifier:
             s.kv_catch_up(s.tokens[:-1])
             items.append(DecodeItem(s.seq_id, [s.tokens[-1], *spec.draft_tokens], len(s.tokens) - 1, "all"))
         try:
-            return self.engine.decode(items) if items else []
+            # Views of llama.cpp's logits: _accept reads them within this step, before the engine decodes again.
+            return self.engine.decode(items, copy=False) if items else []
         except BaseException:
             for item in items:  # cells written before the failure would break the next call's positions
                 self.engine.truncate(item.seq_id, item.start)
@@ -282,11 +288,13 @@ class Verifier:
                 own = spec.bonus_guess
             outcome = sampling.VerifyOutcome(n, own)
         elif session.sampling.greedy:
-            argmax = np.argmax(rows, axis=1).tolist()
-            n = 0
-            while n < k and n < len(argmax) - 1 and drafts[n] == argmax[n]:
+            # Row by row up to the first mismatch: a long draft rejected early never scans the rows after it.
+            n, last = 0, len(rows) - 1
+            own = int(np.argmax(rows[0]))
+            while n < k and n < last and drafts[n] == own:
                 n += 1
-            outcome = sampling.VerifyOutcome(n, int(argmax[n]))
+                own = int(np.argmax(rows[n]))
+            outcome = sampling.VerifyOutcome(n, own)
         else:
             probs = sampling.WarpedRows(rows, session.sampling)  # warped as read: up to the first rejection
             dists = list(spec.draft_dists) if spec.draft_dists is not None else [None] * k
