@@ -29,12 +29,14 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 class _Stream:
-    """One open bidi call and the calls waiting for an answer on it."""
+    """One open bidi call, the calls waiting for an answer on it, and its writer's queue."""
 
     def __init__(self, call: Any) -> None:
         self.call = call
         self.pending: dict[int, asyncio.Future] = {}
+        self.outbox: asyncio.Queue = asyncio.Queue()
         self.reader: asyncio.Task | None = None
+        self.writer: asyncio.Task | None = None
 
     def fail(self, name: str, reason: str) -> None:
         pending, self.pending = self.pending, {}
@@ -49,31 +51,25 @@ class StreamMux:
         self.name = name
         self._stream: _Stream | None = None
         self._ids = itertools.count(1)
-        self._lock = asyncio.Lock()
 
     async def call(self, request: Any, timeout: float) -> Any:
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         request_id = next(self._ids)
         request.request_id = request_id
-        async with self._lock:
-            stream = self._stream
-            if stream is None:
-                stream = self._stream = _Stream(self._open_stream())
-                stream.reader = asyncio.create_task(self._read(stream))
-            stream.pending[request_id] = future
-            try:
-                await stream.call.write(request)
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
-                stream.pending.pop(request_id, None)
-                self._drop(stream, f"write failed: {exc}")
-                raise upstream_error(grpc.StatusCode.UNAVAILABLE, f"{self.name} stream: {exc}") from exc
+        stream = self._stream
+        if stream is None:
+            stream = self._stream = _Stream(self._open_stream())
+            stream.reader = asyncio.create_task(self._read(stream))
+            stream.writer = asyncio.create_task(self._write(stream))
+        stream.pending[request_id] = future
+        stream.outbox.put_nowait(request)
         try:
             response = await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError as exc:
             raise upstream_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.name}: no answer in {timeout} s") from exc
         finally:
             # Timed out or cancelled (client gone): forget the call, so a late answer or a stream failure
-            # has no one to report to.
+            # has no one to report to (and a call not written yet is never sent).
             if not future.done():
                 stream.pending.pop(request_id, None)
                 future.cancel()
@@ -81,6 +77,20 @@ class StreamMux:
             code = _CODES.get(response.error.code, grpc.StatusCode.UNKNOWN)
             raise upstream_error(code, response.error.message)
         return response
+
+    async def _write(self, stream: _Stream) -> None:
+        """The only writer of the stream. In grpc aio a write whose task is cancelled cancels the whole RPC, which
+        would fail every request sharing the stream; so callers never write themselves, and a caller that is gone
+        (a client that disconnected, a pipelined call no longer needed) is simply not written."""
+        try:
+            while True:
+                request = await stream.outbox.get()
+                if request.request_id in stream.pending:
+                    await stream.call.write(request)
+        except asyncio.CancelledError:
+            pass  # the stream was dropped or closed
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+            self._drop(stream, f"write failed: {exc}")
 
     async def _read(self, stream: _Stream) -> None:
         reason = "stream ended"
@@ -100,6 +110,8 @@ class StreamMux:
         """Fail the calls waiting on `stream`; the next call opens a fresh one."""
         if self._stream is stream:
             self._stream = None
+        if stream.writer is not None and stream.writer is not asyncio.current_task():
+            stream.writer.cancel()
         stream.call.cancel()
         stream.fail(self.name, reason)
 
@@ -107,5 +119,6 @@ class StreamMux:
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.call.cancel()
-            if stream.reader is not None:
-                stream.reader.cancel()
+            for task in (stream.writer, stream.reader):
+                if task is not None:
+                    task.cancel()
