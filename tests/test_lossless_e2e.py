@@ -240,7 +240,7 @@ def test_pipelined_rounds_without_a_draft_change_nothing(
     serial = _chat(exact_local_serial_gateway, PROMPTS[2], n_max=8, **sampling)
     assert pipelined["choices"][0]["message"]["content"] == serial["choices"][0]["message"]["content"]
     assert pipelined["timings"]["pipelined_rounds"] > 10 and serial["timings"]["pipelined_rounds"] == 0
-    for key in ("draft_n", "draft_n_accepted", "predicted_n"):
+    for key in ("draft_n", "draft_n_accepted", "predicted_n", "draft_length_mean"):
         assert pipelined["timings"][key] == serial["timings"][key], key
     assert pipelined["timings"]["verify_calls"] == serial["timings"]["verify_calls"]  # skipped calls do not count
 

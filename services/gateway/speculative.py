@@ -434,6 +434,8 @@ class Generation:
                 current, ahead = ahead, None
                 self.stats.pipelined_rounds += 1
                 self.stats.k_rounds += 1
+                if self.match_policy is None:  # a fixed k counts what the round could draft, as _choose_k does
+                    self.stats.k_chosen += max(cap, 0)
         finally:
             pending = [call for call in (current, ahead) if call is not None]
             for call in pending:
