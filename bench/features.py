@@ -359,19 +359,28 @@ async def overlap(stacks: Stacks, max_tokens: int, reps: int) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ pipelined lookup
 
 
-async def pipeline(stacks: Stacks, threads: str, max_tokens: int, reps: int) -> list[dict]:
+async def pipeline(
+    stacks: Stacks,
+    threads: str,
+    max_tokens: int,
+    reps: int,
+    target_args: list[str] | None = None,
+    names: list[str] | None = None,
+) -> list[dict]:
     """The gateway's prompt lookup with its rounds without a draft pipelined (default) and one call at a time
-    (`--plain-pipeline 1`), against target-only decoding, on every benchmark workload (both prompts each)."""
+    (`--plain-pipeline 1`), against target-only decoding, on the benchmark workloads (both prompts each, or those
+    in `names`). `target_args` places the target elsewhere (a GPU)."""
     log("starting the pipeline stack (one target, two local n-gram gateways) ...")
-    target = stacks.service("services.target", ["--n-threads", threads, "--no-prefix-cache"])
+    target = stacks.service("services.target", ["--n-threads", threads, "--no-prefix-cache", *(target_args or [])])
     urls = {"on": stacks.gateway(target, None, "--local-ngram"),
             "off": stacks.gateway(target, None, "--local-ngram", "--plain-pipeline", "1")}  # fmt: skip
     configs = [("target-only", "on", {"speculative.n_max": 0}), ("lookup, pipelined", "on", {}),
                ("lookup, one call at a time", "off", {})]  # fmt: skip
     samples: dict[tuple[str, int, str], list[dict]] = {}
+    loads = [w for w in workloads(quick=False) if names is None or w.name in names]
     async with httpx.AsyncClient() as client:
         for rep in range(reps):
-            for w in workloads(quick=False):
+            for w in loads:
                 sampling = {"temperature": w.temperature, **({"seed": w.seed} if w.seed is not None else {})}
                 for i, prompt in enumerate(w.prompts):
                     shift = (rep + i) % len(configs)  # rotate the order, so drift hits every configuration
@@ -380,6 +389,9 @@ async def pipeline(stacks: Stacks, threads: str, max_tokens: int, reps: int) -> 
                             client, urls[gw], [{"role": "user", "content": prompt}], max_tokens, **sampling, **spec
                         )
                         samples.setdefault((w.name, i, name), []).append(reply)
+                        t = reply["timings"]
+                        log(f"pipeline {w.name} #{i} {name}: {t['predicted_per_second']:.1f} tok/s, "
+                            f"{t.get('pipelined_rounds', 0)} pipelined of {t['verify_calls']} calls")  # fmt: skip
                 log(f"pipeline: repetition {rep + 1} of {reps} done")
     stacks.stop()
 
@@ -387,7 +399,7 @@ async def pipeline(stacks: Stacks, threads: str, max_tokens: int, reps: int) -> 
         return statistics.median(r["timings"]["predicted_per_second"] for r in samples[(w.name, i, name)])
 
     rows = []
-    for w in workloads(quick=False):
+    for w in loads:
         n = len(w.prompts)
         base = [rate("target-only", w, i) for i in range(n)]
         for name, _, _ in configs:
@@ -458,8 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", default="2", help="target threads (batching, prefix, ttft sections)")
     parser.add_argument("--raw-prompts", action="store_true", help="plain completions (models without a template)")
     parser.add_argument(
-        "--target-args", default="", help="batching section: extra target flags (model, GPU layers, device)"
+        "--target-args", default="", help="batching and pipeline sections: extra target flags (model, GPU layers)"
     )
+    parser.add_argument("--workloads", default="", help="pipeline section: comma-separated workload names")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
@@ -486,7 +499,9 @@ def main(argv: list[str] | None = None) -> int:
         if "overlap" in sections:
             rows += asyncio.run(overlap(stacks, args.max_tokens, args.reps))
         if "pipeline" in sections:
-            rows += asyncio.run(pipeline(stacks, args.threads, args.max_tokens, args.reps))
+            names = args.workloads.split(",") if args.workloads else None
+            target_args = shlex.split(args.target_args)
+            rows += asyncio.run(pipeline(stacks, args.threads, args.max_tokens, args.reps, target_args, names))
     finally:
         stacks.stop()
     meta = {"command": " ".join(["python -m bench.features", *(argv if argv is not None else sys.argv[1:])]),
