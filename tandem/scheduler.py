@@ -109,19 +109,15 @@ class _Kind:
     last_step_s: float = 0.0
 
 
-def _settle(future: asyncio.Future, outcome: Any, failed: bool) -> None:
-    """On the event loop: resolve a call's future unless its caller is gone."""
-    if future.done():
-        return
-    if failed:
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
-
-
 def _deliver(results: list[tuple[asyncio.Future, Any, bool]]) -> None:
+    """On the event loop: resolve each call's future (result, or exception if failed) unless its caller is gone."""
     for future, outcome, failed in results:
-        _settle(future, outcome, failed)
+        if future.done():
+            continue
+        if failed:
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
 
 
 class StepScheduler:
@@ -208,10 +204,10 @@ class StepScheduler:
                 log.exception("scheduler step failed")
 
     @staticmethod
-    def _post(results: list[tuple[asyncio.Future, Any, bool]], loops: list[asyncio.AbstractEventLoop]) -> None:
-        """Hand results to their event loops: one wake-up per loop and step, not one per call."""
+    def _post(results: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, Any, bool]]) -> None:
+        """Hand (loop, future, outcome, failed) results to their event loops: one wake-up per loop and step."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for (future, outcome, failed), loop in zip(results, loops, strict=True):
+        for loop, future, outcome, failed in results:
             by_loop.setdefault(loop, []).append((future, outcome, failed))
         for loop, batch in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
@@ -253,17 +249,16 @@ class StepScheduler:
         self.steps += 1
         self.batched_groups += len(taken)
         self.max_groups_seen = max(self.max_groups_seen, len(taken))
-        deferred, results, loops = [], [], []
+        deferred, results = [], []
         for sub, outcome in zip(taken, outcomes, strict=True):
             if outcome is DEFER:
                 deferred.append(sub)
             else:
-                results.append((sub.future, outcome, isinstance(outcome, BaseException)))
-                loops.append(sub.loop)
+                results.append((sub.loop, sub.future, outcome, isinstance(outcome, BaseException)))
         if deferred:
             with self._cond:
                 kind.pending.extendleft(reversed(deferred))
-        self._post(results, loops)
+        self._post(results)
 
     def _job_step(self, job: _Job) -> None:
         try:
@@ -286,4 +281,4 @@ class StepScheduler:
     def _finish_job(self, outcome: Any, failed: bool) -> None:
         with self._cond:
             job = self._jobs.popleft()
-        self._post([(job.future, outcome, failed)], [job.loop])
+        self._post([(job.loop, job.future, outcome, failed)])

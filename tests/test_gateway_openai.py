@@ -35,6 +35,12 @@ def client(gateway: Service) -> openai.OpenAI:
 FIXED_K = {"speculative.adaptive": False}
 
 
+def greedy_edit(max_tokens: int) -> dict:
+    """Arguments of a temperature-0 chat request for EDIT_PROMPT at a fixed draft length (see FIXED_K)."""
+    messages = [{"role": "user", "content": EDIT_PROMPT}]
+    return dict(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, extra_body=FIXED_K)
+
+
 def test_models_and_health(gateway: Service, client: openai.OpenAI) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -61,13 +67,7 @@ def test_chat_completion_with_speculation(client: openai.OpenAI) -> None:
 
 
 def test_streaming_matches_non_streaming(client: openai.OpenAI) -> None:
-    args = dict(
-        model=MODEL,
-        messages=[{"role": "user", "content": EDIT_PROMPT}],
-        max_tokens=60,
-        temperature=0,
-        extra_body=FIXED_K,
-    )
+    args = greedy_edit(60)
     whole = client.chat.completions.create(**args).choices[0].message.content
     stream = client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
@@ -103,13 +103,7 @@ def test_speculation_can_be_switched_off_per_request(client: openai.OpenAI) -> N
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_sequence_is_exact(client: openai.OpenAI, stream: bool) -> None:
-    args = dict(
-        model=MODEL,
-        messages=[{"role": "user", "content": EDIT_PROMPT}],
-        max_tokens=120,
-        temperature=0,
-        extra_body=FIXED_K,
-    )
+    args = greedy_edit(120)
     full = client.chat.completions.create(**args).choices[0].message.content
     assert "count" in full
     stop = "count"

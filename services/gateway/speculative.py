@@ -365,24 +365,36 @@ class Generation:
                     inflight.append(asyncio.ensure_future(call))
                 if not inflight:
                     return
-                round_start = time.perf_counter_ns()
-                result, timing = await inflight.popleft()
-                self._target_pos = result.position
-                round_ns = time.perf_counter_ns() - round_start
-                self.stats.verify_ns += round_ns  # the wait for each answer: the calls' own times overlap
-                self.costs.observe_verify(timing.step_tokens, timing.step_sequences, timing.forward_ns)
-                if self.metrics:
-                    self.metrics.observe_round(0, 0, round_ns, timing.forward_ns)
+                result = await self._await_plain(inflight.popleft(), time.perf_counter_ns())
                 for token in result.tokens:
                     last = self._emitted(token)
                     yield token
                     if last:
                         return
         finally:
-            for call in inflight:
-                call.cancel()
-            if inflight:
-                await asyncio.gather(*inflight, return_exceptions=True)
+            await self._cancel_calls(inflight)
+
+    async def _await_plain(self, call: asyncio.Future, since: int) -> pb.VerifyResult:
+        """The answer of a pipelined Verify call without drafts, accounted for: the wait since `since` counts as
+        verify time (the calls' own times overlap), and the step feeds the cost model and the round metrics."""
+        result, timing = await call
+        self._target_pos = result.position
+        round_ns = time.perf_counter_ns() - since
+        self.stats.verify_ns += round_ns
+        self.costs.observe_verify(timing.step_tokens, timing.step_sequences, timing.forward_ns)
+        if self.metrics:
+            self.metrics.observe_round(0, 0, round_ns, timing.forward_ns)
+        return result
+
+    @staticmethod
+    async def _cancel_calls(calls: Sequence[asyncio.Future | None]) -> None:
+        """Cancel calls still in flight. Sent or not, the target's state stays valid: a call nobody reads computes
+        a token nobody sees, and a skipped or stale one changes nothing; the session is closed right after."""
+        pending = [call for call in calls if call is not None]
+        for call in pending:
+            call.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def _lookup_stretch(self) -> AsyncIterator[pb.Token]:
         """Rounds without a draft, pipelined (prompt lookup in this process).
@@ -415,14 +427,8 @@ class Generation:
                     ahead = asyncio.ensure_future(
                         self._verify([], [], self._span, position=self._target_pos + 1, timed=False, unless=triggers)
                     )
-                result, timing = await current
+                result = await self._await_plain(current, wait_start)
                 current = None
-                self._target_pos = result.position
-                round_ns = time.perf_counter_ns() - wait_start
-                self.stats.verify_ns += round_ns
-                self.costs.observe_verify(timing.step_tokens, timing.step_sequences, timing.forward_ns)
-                if self.metrics:
-                    self.metrics.observe_round(0, 0, round_ns, timing.forward_ns)
                 for token in result.tokens:
                     if self._emitted(token):
                         self._finished = True
@@ -437,11 +443,7 @@ class Generation:
                 if self.match_policy is None:  # a fixed k counts what the round could draft, as _choose_k does
                     self.stats.k_chosen += max(cap, 0)
         finally:
-            pending = [call for call in (current, ahead) if call is not None]
-            for call in pending:
-                call.cancel()  # sent or not, the target's state stays valid: a skipped or stale call changes nothing
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
+            await self._cancel_calls([current, ahead])
 
     def _keeps(self, match_len: int, drafted: int) -> bool:
         """Whether the main loop would send a lookup draft of `drafted` tokens behind a `match_len`-token match."""
