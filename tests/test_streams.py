@@ -129,3 +129,42 @@ def test_callers_cancelled_mid_call_do_not_break_the_shared_stream(target: Servi
             await mux.close()
 
     asyncio.run(main())
+
+
+def test_a_call_without_answer_times_out_and_is_forgotten() -> None:
+    """A stream that never answers (a hung service): the call fails DEADLINE_EXCEEDED after its timeout, leaves no
+    pending entry behind, and a later call on the same stream times out on its own timer too."""
+
+    async def silent(requests, context):
+        async for _ in requests:
+            pass  # reads every call, answers none
+        yield pb.VerifyResponse()  # pragma: no cover - the client never ends its stream first
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        handler = grpc.stream_stream_rpc_method_handler(
+            silent,
+            request_deserializer=pb.VerifyRequest.FromString,
+            response_serializer=pb.VerifyResponse.SerializeToString,
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("tandem.v1.Target", {"VerifyStream": handler}),)
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                mux = StreamMux(pb_grpc.TargetStub(channel).VerifyStream, "target")
+                for timeout in (0.2, 0.4):
+                    started = asyncio.get_running_loop().time()
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await mux.call(pb.VerifyRequest(items=[pb.VerifyItem(session_id="s", position=1)]), timeout)
+                    waited = asyncio.get_running_loop().time() - started
+                    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                    assert timeout <= waited < timeout + 1.0
+                    assert mux._stream is not None and not mux._stream.pending
+                await mux.close()
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())

@@ -28,6 +28,11 @@ def upstream_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
+def _expire(future: asyncio.Future, name: str, timeout: float) -> None:
+    if not future.done():
+        future.set_exception(upstream_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no answer in {timeout} s"))
+
+
 class _Stream:
     """One open bidi call, the calls waiting for an answer on it, and its writer's queue."""
 
@@ -63,15 +68,18 @@ class StreamMux:
             stream.writer = asyncio.create_task(self._write(stream))
         stream.pending[request_id] = future
         stream.outbox.put_nowait(request)
+        # A timer instead of asyncio.wait_for(asyncio.shield(...)): each wrapper costs the answer an extra trip
+        # through the event loop (~70 us a call here, measured), and a round makes two calls.
+        timer = asyncio.get_running_loop().call_later(timeout, _expire, future, self.name, timeout)
         try:
-            response = await asyncio.wait_for(asyncio.shield(future), timeout)
-        except TimeoutError as exc:
-            raise upstream_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.name}: no answer in {timeout} s") from exc
+            response = await future
         finally:
+            timer.cancel()
             # Timed out or cancelled (client gone): forget the call, so a late answer or a stream failure
             # has no one to report to (and a call not written yet is never sent).
-            if not future.done():
+            if stream.pending.get(request_id) is future:
                 stream.pending.pop(request_id, None)
+            if not future.done():
                 future.cancel()
         if response.HasField("error"):
             code = _CODES.get(response.error.code, grpc.StatusCode.UNKNOWN)
