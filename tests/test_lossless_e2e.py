@@ -5,12 +5,18 @@ The draft is the target model itself, so every disagreement is a numerical effec
   one-token decoding; where the target's top-2 logits are a near-tie, greedy text can flip. The test measures
   acceptance and text agreement and requires every divergence to be such a near-tie, in both evaluations.
 - sequential verification (`--verify-mode sequential`) evaluates one token per pass: output must be identical.
+- batched verification with flash attention on the CPU: output must be identical too. The divergences of the first
+  case come from one kernel choice: without flash attention, llama.cpp's CPU backend computes the attention products
+  of a multi-token batch with llamafile's tiled sgemm and those of a single token with its own dot products, which
+  round differently (`python -m bench.exactness` measures it; a llama.cpp built with GGML_LLAMAFILE=OFF is exact
+  too). The same test with flash attention off fails on the first prompt.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -158,6 +164,38 @@ def test_self_draft_sequential_verify_is_identical(exact_gateway: Service) -> No
     # The draft also decodes one token per pass, so a same-model draft proposes exactly the target's choices.
     assert accepted == drafted
     assert overlapped > 0
+
+
+@pytest.fixture(scope="module")
+def fa_gateway(service_tmp: Path) -> Iterator[Service]:
+    """Default batched verification, with flash attention on the CPU: batch rows then use the same kernels as
+    one-token decoding. (Off, llama.cpp computes a batch's attention products with llamafile's tiled sgemm and a
+    single token's with its own dot products, which round differently: the batched-verify divergences above.)"""
+    from tests.conftest import THREADS
+
+    args = ["--flash-attn", "on", "--n-threads", THREADS, "--max-sessions", "8", "--n-ctx", "16384"]
+    target = start_model_service("services.target", args, service_tmp)
+    draft = start_model_service("services.draft", ["--drafter", "model", *args], service_tmp)
+    gateway = start_gateway(target.address, draft.address, service_tmp)
+    yield gateway
+    for service in (gateway, draft, target):
+        service.stop()
+
+
+def test_batched_verify_with_flash_attention_is_identical(fa_gateway: Service) -> None:
+    """Batched verification, prefix reuse and continuous batching on (the defaults), four requests at a time: with
+    kernels that round a batch row like a single token, every text and every logprob equals target-only decoding,
+    and a same-model draft is never rejected."""
+    plain = [_chat(fa_gateway, p, n_max=0) for p in PROMPTS]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        spec = list(pool.map(lambda p: _chat(fa_gateway, p, n_max=N_MAX), PROMPTS))
+    drafted = sum(s["timings"]["draft_n"] for s in spec)
+    accepted = sum(s["timings"]["draft_n_accepted"] for s in spec)
+    for prompt, a, b in zip(PROMPTS, plain, spec, strict=True):
+        assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"], prompt
+        assert [t["logprob"] for t in _tokens(b)] == [t["logprob"] for t in _tokens(a)], prompt
+    print(f"\nself-draft, batched verify, flash attention: acceptance {accepted}/{drafted} drafted tokens")
+    assert drafted > 0 and accepted == drafted
 
 
 def test_same_seed_same_output_with_speculation(model_gateway: Service) -> None:
