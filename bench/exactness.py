@@ -25,7 +25,9 @@ import numpy as np
 from tandem.config import EngineSettings
 from tandem.engine import DecodeItem, Engine
 
-PROMPT = "Write a short story about a robot who learns to paint. Once upon a time,"
+# Token ids, not text, so that any model (a random-weight GGUF of a real shape on a GPU too) runs the same sequence.
+PROMPT_IDS = [1, *range(1000, 1024)]
+CONTEXT_IDS = [100 + (i * 7919) % 20000 for i in range(500)]
 BATCHES = (2, 4, 8, 16)
 STARTS = (0, 5, 17)
 VERIFY_SIZES = (4, 8, 16, 32)
@@ -40,7 +42,7 @@ def build_flags() -> str:
 
 def max_batch_difference(engine: Engine, n_tokens: int = 40) -> dict[str, float]:
     """Largest |batch row - one-token row| over greedy continuations, per batch size (0.0 means bit-identical)."""
-    prompt = engine.tokenize(PROMPT)
+    prompt = PROMPT_IDS
     n = len(prompt)
     last = engine.decode([DecodeItem(0, prompt, 0, "last")])[0][-1].copy()
     tokens, single = [], []
@@ -64,7 +66,7 @@ def max_batch_difference(engine: Engine, n_tokens: int = 40) -> dict[str, float]
 
 def step_costs(engine: Engine, reps: int) -> dict[str, float]:
     """Median ms of a 500-token prefill, a one-token decode and verify batches, on a 560-token context."""
-    prompt = engine.tokenize(" ".join(f"item {i} costs {i * 7 % 13} units;" for i in range(200)))[:500]
+    prompt = CONTEXT_IDS
     n = len(prompt)
     t = time.perf_counter()
     engine.decode([DecodeItem(0, prompt, 0, "last")])
@@ -90,11 +92,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0 = all cores)")
+    parser.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--n-gpu-layers", type=int, default=0, help="-1 = every layer on the GPU")
     parser.add_argument("--reps", type=int, default=12, help="repetitions per verify size")
     args = parser.parse_args(argv)
-    engine = Engine(EngineSettings(max_sessions=2, n_ctx=4096, flash_attn=args.flash_attn, n_threads=args.threads))
+    settings = EngineSettings(
+        model=args.model,
+        n_gpu_layers=args.n_gpu_layers,
+        max_sessions=2,
+        n_ctx=4096,
+        flash_attn=args.flash_attn,
+        n_threads=args.threads,
+    )
+    engine = Engine(settings)
     try:
-        label = f"{build_flags()}, flash attention {args.flash_attn}"
+        label = f"{build_flags()}, {engine.device}, flash attention {args.flash_attn}"
         diff = max_batch_difference(engine)
         costs = step_costs(engine, args.reps)
     finally:

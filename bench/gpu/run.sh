@@ -90,6 +90,31 @@ synth-setup)
   df -h /tmp | tail -1; ls -la /tmp/models; [ -n "${SKIP_PEER:-}" ] || ls -la "$W/ls-build/bin/llama-server"
   python3 -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())'
   ;;
+floor)
+  # The transport floor and batch-row exactness on a GPU host, in one call from a bare machine (~6 min). Carry
+  # .gpu/llama-cpp-python.tar.gz .gpu/wheels tandem/v1.
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/wheels/*.whl
+  lscpu | grep -E '^Model name|^CPU\(s\)|MHz' || true
+  python3 -m bench.rpc_floor | tee "$OUT/rpc-floor.txt"
+  if ! python3 -c 'import llama_cpp' 2>/dev/null; then
+    tar xzf .gpu/llama-cpp-python.tar.gz -C "$W"
+    CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" \
+      CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps --no-index \
+      --target /tmp/site "$W"/llama_cpp_python-0.3.36 > "$W/build.log" 2>&1 || { tail -40 "$W/build.log"; exit 1; }
+  fi
+  mkdir -p /tmp/models
+  [ -f /tmp/models/8b.gguf ] || python3 -m bench.random_gguf --shape 8b --seed 21 --out /tmp/models/8b.gguf 2>&1 | tail -1
+  for fa in on off; do
+    python3 -m bench.exactness --model /tmp/models/8b.gguf --n-gpu-layers -1 --flash-attn $fa 2>/dev/null \
+      | grep -v '^{' | tee -a "$OUT/exactness-8b.txt"
+  done
+  python3 -m services.target --model /tmp/models/8b.gguf --n-gpu-layers -1 --host 127.0.0.1 --port 50071 \
+    > "$W/target.log" 2>&1 &
+  target=$!
+  for _ in $(seq 120); do grep -q 'ready on' "$W/target.log" && break; sleep 1; done
+  python3 -m bench.rpc_floor --target 127.0.0.1:50071 | tee -a "$OUT/rpc-floor.txt"
+  kill "$target"
+  ;;
 features-gpu)
   # Issue 7 on the GPU: continuous batching, 8 streams against 1, target on GPU 0. SHAPE=8b (a random-weight model
   # from synth-setup, MODELS="8b/21"): the text means nothing, but every forward pass costs what a real one does.
