@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -33,7 +34,14 @@ STARTS = (0, 5, 17)
 VERIFY_SIZES = (4, 8, 16, 32)
 
 
-def build_flags() -> str:
+def progress(message: str) -> None:
+    print(f"exactness: {message}", file=sys.stderr, flush=True)
+
+
+def build_flags(backend: str) -> str:
+    """Whether llama.cpp's CPU backend was built with llamafile's sgemm (the CPU's batch kernels)."""
+    if backend != "CPU":
+        return "GPU build"  # llama_print_system_info crashed the CUDA build of 0.3.36 on the H200
     import llama_cpp
 
     info = llama_cpp.llama_print_system_info().decode()
@@ -104,10 +112,13 @@ def main(argv: list[str] | None = None) -> None:
         flash_attn=args.flash_attn,
         n_threads=args.threads,
     )
+    progress("loading the model")
     engine = Engine(settings)
     try:
-        label = f"{build_flags()}, {engine.device}, flash attention {args.flash_attn}"
+        label = f"{build_flags(engine.backend)}, {engine.device}, flash attention {args.flash_attn}"
+        progress(f"{label}: batch rows against one-token rows")
         diff = max_batch_difference(engine)
+        progress("step costs")
         costs = step_costs(engine, args.reps)
     finally:
         engine.close()

@@ -91,7 +91,8 @@ synth-setup)
   python3 -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())'
   ;;
 floor)
-  # The transport floor and batch-row exactness on a GPU host, in one call from a bare machine (~6 min). Carry
+  # The transport floor and batch-row exactness on a GPU host, in one call from a bare machine (~6 min; see
+  # docs/benchmarks/h200-exactness-2026-12-01 for the form of the exactness command that ran there). Carry
   # .gpu/llama-cpp-python.tar.gz .gpu/wheels tandem/v1.
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/wheels/*.whl
   lscpu | grep -E '^Model name|^CPU\(s\)|MHz' || true
