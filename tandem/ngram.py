@@ -88,10 +88,16 @@ def ngram_draft_matched(
     against 1.44x for a flat k=8 after a 3-token match and 1.20x for k=4 after any match.
     """
     j, m = index.match(tokens)
-    n = min(max_tokens, m - 1) if scaled else max_tokens
-    if j < 0 or n <= 0:
-        return [], m
-    return list(tokens[j : j + n]), m
+    return list(tokens[j : j + draft_size(j, m, len(tokens), max_tokens, scaled)]), m
+
+
+def draft_size(position: int, match_len: int, available: int, max_tokens: int, scaled: bool = True) -> int:
+    """Tokens a match drafts: from `position` (-1: no match) up to `available`, at most max_tokens and, `scaled`,
+    at most match_len - 1 (the confidence rule of `ngram_draft_matched`)."""
+    if position < 0:
+        return 0
+    n = min(max_tokens, match_len - 1) if scaled else max_tokens
+    return max(0, min(n, available - position))
 
 
 class PromptLookup:
@@ -133,7 +139,7 @@ class PromptLookup:
         for t in candidates:
             # The backward count of the match length never reaches t: it starts n >= 2 tokens before the end.
             j, m = self.index.match(self.tokens, then=t)
-            n = min(max_tokens, m - 1, len(self.tokens) + 1 - j) if j >= 0 else 0
+            n = draft_size(j, m, len(self.tokens) + 1, max_tokens)  # the sequence is tokens + [t]
             if n > 0 and keeps(m, n):
                 triggers.add(t)
         return frozenset(triggers)

@@ -333,6 +333,23 @@ class WarpedRows:
         return len(self._warped)
 
 
+class ArgmaxRows(Sequence[int]):
+    """A round's greedy choices, one row's argmax on first use: verify_greedy reads them only up to the first
+    mismatch, so a long draft rejected early never scans the rows after it."""
+
+    def __init__(self, logits_rows: Sequence[np.ndarray] | np.ndarray) -> None:
+        self._rows = logits_rows
+        self._argmax: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i: int) -> int:  # type: ignore[override] - integer indexes only
+        if i not in self._argmax:
+            self._argmax[i] = int(np.argmax(self._rows[i]))
+        return self._argmax[i]
+
+
 def verify_stochastic(
     target_probs: np.ndarray | WarpedRows,
     draft_tokens: Sequence[int],

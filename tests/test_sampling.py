@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from tandem.sampling import (
+    ArgmaxRows,
     SamplingParams,
     SparseDist,
     VerifyOutcome,
@@ -717,3 +718,28 @@ def test_lazily_warped_rows_give_the_same_outcome_and_skip_unread_rows() -> None
         assert lazy.warped == a.n_accepted + 1
         read_less += lazy.warped < k + 1
     assert read_less > 100  # most random drafts fail early: the rows after the rejection were never warped
+
+
+def test_argmax_rows_read_only_up_to_the_first_mismatch() -> None:
+    """verify_greedy over lazily argmaxed rows: the same outcome as over all argmaxes, and the rows after the first
+    mismatch are never read (a long rejected draft costs no scan of its tail)."""
+    rng = np.random.default_rng(7)
+    rows = rng.standard_normal((9, 50)).astype(np.float32)
+    argmax = [int(np.argmax(r)) for r in rows]
+
+    class Recording(list):
+        """Rows that remember which indexes were read."""
+
+        def __init__(self, items) -> None:
+            super().__init__(items)
+            self.read: set[int] = set()
+
+        def __getitem__(self, i):
+            self.read.add(i)
+            return super().__getitem__(i)
+
+    for mismatch in range(9):
+        drafts = [*argmax[:mismatch], *[(a + 1) % 50 for a in argmax[mismatch:8]]]
+        recording = Recording(rows)
+        assert verify_greedy(ArgmaxRows(recording), drafts) == verify_greedy(argmax, drafts)
+        assert sorted(recording.read) == list(range(min(mismatch, 8) + 1))

@@ -288,13 +288,9 @@ class Verifier:
                 own = spec.bonus_guess
             outcome = sampling.VerifyOutcome(n, own)
         elif session.sampling.greedy:
-            # Row by row up to the first mismatch: a long draft rejected early never scans the rows after it.
-            n, last = 0, len(rows) - 1
-            own = int(np.argmax(rows[0]))
-            while n < k and n < last and drafts[n] == own:
-                n += 1
-                own = int(np.argmax(rows[n]))
-            outcome = sampling.VerifyOutcome(n, own)
+            # Argmax row by row, up to the first mismatch. Sequential verification may have stopped early: it then
+            # has a row for each draft up to the mismatch, plus that one.
+            outcome = sampling.verify_greedy(sampling.ArgmaxRows(rows), drafts[: len(rows) - 1])
         else:
             probs = sampling.WarpedRows(rows, session.sampling)  # warped as read: up to the first rejection
             dists = list(spec.draft_dists) if spec.draft_dists is not None else [None] * k
