@@ -57,7 +57,8 @@ class EngineSettings(BaseSettings):
         "auto",
         description="flash attention; auto: on when layers run on a GPU (70B target-only on an H200: 55.2 against"
         " 48.9 tok/s) or the V cache is quantised (which needs it), off on the CPU (a 1,000-token context decoded ~25%"
-        " slower with it on a 2-core CPU)",
+        " slower with it on a 2-core CPU). On the CPU, 'on' makes batched verification bit-identical to one-token"
+        " decoding, so greedy speculative text equals target-only text exactly (one-token steps ~1.5x slower there)",
     )
     kv_unified: Literal["auto", "on", "off"] = Field(
         "auto",
