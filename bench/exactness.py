@@ -21,10 +21,10 @@ import statistics
 import sys
 import time
 
+from tandem.engine import DecodeItem, Engine  # isort: skip  (llama_cpp before numpy: the other order crashed the H200)
 import numpy as np
 
 from tandem.config import EngineSettings
-from tandem.engine import DecodeItem, Engine
 
 # Token ids, not text, so that any model (a random-weight GGUF of a real shape on a GPU too) runs the same sequence.
 PROMPT_IDS = [1, *range(1000, 1024)]
