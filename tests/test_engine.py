@@ -107,3 +107,22 @@ def test_flash_attention_auto_follows_the_device() -> None:
     assert EngineSettings(cache_type_v="q8_0").resolved_flash_attn(on_gpu=False)
     assert not EngineSettings(flash_attn="off").resolved_flash_attn(on_gpu=True)
     assert EngineSettings(flash_attn="on").resolved_flash_attn(on_gpu=False)
+
+
+@pytest.mark.parametrize("flash_attn", ["on", "off"])
+def test_batch_rows_against_one_token_rows(flash_attn: str) -> None:
+    """Why greedy speculation is exact or not on this CPU: with flash attention on, every row of a verify batch equals
+    decoding its token alone, bit for bit (what the flash-attention lossless e2e test relies on). With it off, a build
+    with llamafile's sgemm (the PyPI wheel) rounds some batch differently, and a build without it does not."""
+    from bench.exactness import build_flags, max_batch_difference
+
+    engine = Engine(EngineSettings(max_sessions=2, n_ctx=2048, flash_attn=flash_attn))
+    try:
+        differences = max_batch_difference(engine)
+        llamafile = build_flags(engine.backend) == "llamafile on"
+    finally:
+        engine.close()
+    if flash_attn == "on" or not llamafile:
+        assert all(d == 0.0 for d in differences.values()), differences
+    else:
+        assert any(d > 0.0 for d in differences.values()), differences
