@@ -163,11 +163,13 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     # Shifting by the max before dividing leaves softmax(x / T) unchanged and cannot overflow for small T. The
     # subtraction casts to float64 first (exact for float32 logits), so the result is as if x were float64.
     scaled = np.subtract(x, top, dtype=np.float64)
-    scaled /= params.temperature
+    # Multiplying by reciprocals instead of dividing (here and below): float64 division is several times slower than
+    # multiplication (a whole warp of 49k logits: 141 -> 119 us on the 2-core CPU), and the results differ by an ulp.
+    scaled *= 1.0 / params.temperature
     if (params.top_k <= 0 or params.top_k >= vocab) and params.top_p >= 1.0:
         # Plain temperature sampling, the common case: softmax in place, one vocab-sized array (hot path per token).
         np.exp(scaled, out=scaled)
-        scaled /= scaled.sum()
+        scaled *= 1.0 / scaled.sum()
         return scaled
 
     if 0 < params.top_k < vocab:
@@ -177,7 +179,7 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         ids = np.arange(vocab)
         z = scaled
     probs = np.exp(z - z.max())
-    probs /= probs.sum()
+    probs *= 1.0 / probs.sum()
 
     out = np.zeros(vocab, dtype=np.float64)
     if params.top_p < 1.0:
@@ -187,7 +189,7 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         out[keep] = np.exp(scaled[keep] - scaled[keep].max())
     else:
         out[ids] = probs
-    out /= out.sum()
+    out *= 1.0 / out.sum()
     return out
 
 
@@ -281,7 +283,8 @@ def residual_distribution(p: np.ndarray, q: SparseDist | None, token: int) -> np
     mass = float(r.sum())
     if mass <= RESIDUAL_EPS:
         return p.copy()
-    return r / mass
+    r *= 1.0 / mass
+    return r
 
 
 @dataclass(frozen=True)
