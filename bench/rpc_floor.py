@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 
 import grpc
 
@@ -37,35 +38,33 @@ async def _serve(port: int) -> None:
     await server.wait_for_termination()
 
 
+async def _time_round_trips(call, messages: Iterable[object]) -> list[int]:
+    """Nanoseconds per write-then-read on an open bidi stream, one per message; cancels the stream after."""
+    times = []
+    for message in messages:
+        t = time.perf_counter_ns()
+        await call.write(message)
+        await call.read()
+        times.append(time.perf_counter_ns() - t)
+    call.cancel()
+    return times
+
+
 async def _echo_round_trips(address: str, calls: int) -> list[int]:
     async with grpc.aio.insecure_channel(address) as channel:
         call = channel.stream_stream(f"/{SERVICE}/{METHOD}")()
-        times = []
-        payload = b"x" * 64
-        for _ in range(calls):
-            t = time.perf_counter_ns()
-            await call.write(payload)
-            await call.read()
-            times.append(time.perf_counter_ns() - t)
-        call.cancel()
-    return times
+        return await _time_round_trips(call, [b"x" * 64] * calls)
 
 
 async def _target_round_trips(address: str, calls: int) -> list[int]:
     from tandem.v1 import tandem_pb2 as pb
     from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
+    requests = (
+        pb.VerifyRequest(request_id=i + 1, items=[pb.VerifyItem(session_id="absent", position=1)]) for i in range(calls)
+    )
     async with grpc.aio.insecure_channel(address) as channel:
-        call = pb_grpc.TargetStub(channel).VerifyStream()
-        times = []
-        for i in range(calls):
-            request = pb.VerifyRequest(request_id=i + 1, items=[pb.VerifyItem(session_id="absent", position=1)])
-            t = time.perf_counter_ns()
-            await call.write(request)
-            await call.read()
-            times.append(time.perf_counter_ns() - t)
-        call.cancel()
-    return times
+        return await _time_round_trips(pb_grpc.TargetStub(channel).VerifyStream(), requests)
 
 
 def _summary(times: list[int]) -> dict[str, float]:
