@@ -41,7 +41,7 @@ def progress(message: str) -> None:
 def build_flags(backend: str) -> str:
     """Whether llama.cpp's CPU backend was built with llamafile's sgemm (the CPU's batch kernels)."""
     if backend != "CPU":
-        return "GPU build"  # llama_print_system_info crashed the CUDA build of 0.3.36 on the H200
+        return "GPU build"  # the CPU backend's kernel flags say nothing about the GPU's
     import llama_cpp
 
     info = llama_cpp.llama_print_system_info().decode()
