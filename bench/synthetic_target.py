@@ -103,17 +103,30 @@ def main(argv: list[str] | None = None) -> None:
         "--synth-n-max", type=int, default=None, help="the draft length L is defined for (default: each call's k)"
     )
     parser.add_argument("--synth-seed", type=int, default=0)
+    parser.add_argument(
+        "--colocated-gateway",
+        action="store_true",
+        help="run a co-located gateway (services.gateway --colocate) around this target instead of a target"
+        " service: the other flags are the gateway's, the models' settings come from TANDEM_TARGET_* and"
+        " TANDEM_DRAFT_*",
+    )
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     synthetic = SyntheticAcceptance(args.synth_len, args.synth_n_max, args.synth_seed)
-
-    from services.target.__main__ import serve_target
-    from tandem.cli import service_main
-    from tandem.config import TargetSettings
 
     def configure(verifier) -> None:
         verifier.acceptance_override = synthetic
         verifier.synthetic_label = synthetic.label
         print(f"tandem: SYNTHETIC ACCEPTANCE ({synthetic.label}); benchmark only, text is not valid", flush=True)
+
+    if args.colocated_gateway:
+        from services.gateway.__main__ import main as gateway_main
+
+        gateway_main(["--colocate", *rest], configure)
+        return
+
+    from services.target.__main__ import serve_target
+    from tandem.cli import service_main
+    from tandem.config import TargetSettings
 
     async def run(settings: TargetSettings) -> None:
         await serve_target(settings, configure)

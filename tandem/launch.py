@@ -118,13 +118,27 @@ def wait_http_ok(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"{url} not OK within {timeout} s")
 
 
-def start_gateway(target: str, draft: str | None, log_dir: Path, *extra: str, timeout: float = 300) -> Process:
+def start_gateway(
+    target: str,
+    draft: str | None,
+    log_dir: Path,
+    *extra: str,
+    timeout: float = 300,
+    module: str = "services.gateway",
+    env: dict[str, str] | None = None,
+) -> Process:
+    """Start a gateway on a free port and wait for /health. A co-located gateway (`--colocate`, see
+    start_colocated_gateway) ignores the addresses and loads the models named in `env` itself."""
     port = free_port()
     log_path = log_dir / f"gateway-{port}.log"
     args = ["--host", "127.0.0.1", "--port", str(port), "--target", target, "--draft", draft or "", *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.gateway", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", module, *args],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
     process = Process("gateway", proc, f"http://127.0.0.1:{port}", log_path)
     try:
@@ -133,3 +147,22 @@ def start_gateway(target: str, draft: str | None, log_dir: Path, *extra: str, ti
         process.stop()
         raise
     return process
+
+
+def start_colocated_gateway(
+    log_dir: Path,
+    target_args: dict[str, str],
+    draft_args: dict[str, str] | None,
+    *extra: str,
+    timeout: float = 300,
+    module: str = "services.gateway",
+) -> Process:
+    """A gateway that loads the target (and the draft, unless None) into its own process: `--colocate`, with each
+    model's settings as its TANDEM_TARGET_* / TANDEM_DRAFT_* variables ({"n_threads": "1"} -> TANDEM_TARGET_N_THREADS).
+    """
+    env = {f"TANDEM_TARGET_{k.upper()}": v for k, v in target_args.items()}
+    env.update({f"TANDEM_DRAFT_{k.upper()}": v for k, v in (draft_args or {}).items()})
+    return start_gateway(
+        "-", "yes" if draft_args is not None else None, log_dir, "--colocate", *extra,
+        timeout=timeout, module=module, env=env,
+    )  # fmt: skip

@@ -14,7 +14,7 @@ import pytest
 
 from bench.synthetic_target import SyntheticAcceptance, conditional_rate
 from tandem.config import DraftSettings, GatewaySettings, TargetSettings
-from tandem.launch import ROOT, start_gateway, start_model_service
+from tandem.launch import ROOT, start_colocated_gateway, start_gateway, start_model_service
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tests.conftest import THREADS, Service
@@ -61,6 +61,39 @@ def test_no_serving_setting_can_turn_it_on() -> None:
     )
     assert result.returncode != 0
     assert "synth" in (result.stderr + result.stdout).lower()  # refused as an unknown flag, before any model load
+    # Nor can the co-located gateway, which loads the target itself.
+    result = subprocess.run(
+        [sys.executable, "-m", "services.gateway", "--colocate", "--synth-len", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "synth" in (result.stderr + result.stdout).lower()
+
+
+def test_colocated_synthetic_gateway_says_so(service_tmp: Path) -> None:
+    """The benchmark's co-located form (`bench.synthetic_target --colocated-gateway`) imposes the acceptance on the
+    target it loads, and says so in every response."""
+    gateway = start_colocated_gateway(
+        service_tmp, {"n_threads": THREADS}, {"drafter": "ngram"}, "--synth-len", "5", "--synth-n-max", "4",
+        "--colocated-gateway", module="bench.synthetic_target",
+    )  # fmt: skip
+    try:
+        body = {
+            "prompt": "Repeat: alpha beta gamma delta, alpha beta gamma delta, alpha",
+            "max_tokens": 48,
+            "temperature": 0,
+            "speculative.n_max": 4,
+            "speculative.adaptive": False,
+        }
+        timings = httpx.post(f"{gateway.address}/v1/completions", json=body, timeout=120).json()["timings"]
+        assert timings["synthetic_acceptance"].startswith("mean length 5.0")
+        assert timings["draft_n"] > 0 and timings["acceptance_rate"] == 1.0
+        assert "SYNTHETIC ACCEPTANCE" in gateway.log()
+    finally:
+        gateway.stop()
 
 
 @pytest.fixture(scope="module")

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
 from tandem.config import DraftSettings
 
+if TYPE_CHECKING:
+    from services.draft.servicer import DraftServicer
+    from tandem.grpc_server import EngineWorker
 
-async def _serve(settings: DraftSettings) -> None:
+
+def build_draft(settings: DraftSettings) -> tuple[DraftServicer, EngineWorker, Callable[[], Awaitable[None]]]:
+    """The draft's servicer, its engine thread, and the coroutine that loads the drafter into it.
+
+    Shared by the gRPC service and the co-located gateway (services.gateway.colocated).
+    """
     from services.draft.drafters import Drafter, ModelDrafter, NgramDrafter
     from services.draft.service import DraftService
     from services.draft.servicer import DraftServicer
-    from tandem.grpc_server import EngineWorker, serve_service
-    from tandem.v1 import tandem_pb2_grpc as pb_grpc
+    from tandem.grpc_server import EngineWorker
 
     worker = EngineWorker()
     servicer = DraftServicer(worker)
@@ -31,6 +41,14 @@ async def _serve(settings: DraftSettings) -> None:
         )
         servicer.attach(service, engine, settings.max_batch, settings.batch_wait_ms)
 
+    return servicer, worker, load
+
+
+async def _serve(settings: DraftSettings) -> None:
+    from tandem.grpc_server import serve_service
+    from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+    servicer, worker, load = build_draft(settings)
     await serve_service(
         settings,
         service_name="tandem.v1.Draft",

@@ -2,23 +2,46 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from tandem.cli import parse_settings
 from tandem.config import GatewaySettings
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, configure_target: Callable[[Any], None] | None = None) -> None:
+    """Run the gateway; `configure_target` adjusts a co-located target's Verifier (benchmarks only)."""
     settings = parse_settings(GatewaySettings, argv)
+    colocated = None
+    if settings.colocate:
+        colocated = colocated_models(settings, configure_target)
+    elif configure_target is not None:
+        raise SystemExit("configure_target needs --colocate: the target runs in another process")
     import uvicorn
 
     from services.gateway.app import create_app
 
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, colocated),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,  # prompts and completions are never logged; request lines are noise here
     )
+
+
+def colocated_models(settings: GatewaySettings, configure_target: Callable[[Any], None] | None):
+    """The models to load into this process, pinned to their devices, with llama_cpp imported before grpc and numpy
+    (the order tandem.cli.service_main keeps for the services). Nothing imported so far pulls in either."""
+    from tandem.config import DraftSettings, TargetSettings, pin_colocated
+
+    target = TargetSettings()
+    draft = None if settings.local_ngram or not settings.draft else DraftSettings()
+    pin_colocated(*(m for m in (target, draft) if m is not None))
+    import tandem.engine  # noqa: F401
+    from services.gateway.app import Colocated
+
+    return Colocated(target, draft, configure_target)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from fastapi import APIRouter, FastAPI, Request
@@ -20,11 +23,20 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.serving import Serving, now
 from services.gateway.upstream import ChannelSecurity, connect
 from tandem import __version__
-from tandem.config import GatewaySettings
+from tandem.config import DraftSettings, GatewaySettings, TargetSettings
 from tandem.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
 meta = APIRouter()
+
+
+@dataclass(frozen=True)
+class Colocated:
+    """The models a co-located gateway loads itself: the target's settings, the draft's (None: no draft service)."""
+
+    target: TargetSettings
+    draft: DraftSettings | None
+    configure_target: Callable[[Any], None] | None = None  # benchmarks only (bench.synthetic_target)
 KNOWN_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models"}
 
 
@@ -103,7 +115,8 @@ def _serving(request: Request) -> Serving:
     return serving
 
 
-def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+def create_app(settings: GatewaySettings | None = None, colocated: Colocated | None = None) -> FastAPI:
+    """The gateway app; with `colocated`, its models load into this process (services.gateway.colocated)."""
     settings = settings or GatewaySettings()
     setup_tracing("tandem-gateway")
 
@@ -114,14 +127,19 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
         async def start() -> None:
             try:
-                security = ChannelSecurity(
-                    settings.upstream_tls_ca,
-                    settings.upstream_tls_cert,
-                    settings.upstream_tls_key,
-                    settings.upstream_token,
-                )
-                draft = None if settings.local_ngram else settings.draft or None
-                upstreams = await connect(settings.target, draft, settings.startup_timeout_s, security)
+                if colocated is not None:
+                    from services.gateway.colocated import start_colocated
+
+                    upstreams = await start_colocated(colocated.target, colocated.draft, colocated.configure_target)
+                else:
+                    security = ChannelSecurity(
+                        settings.upstream_tls_ca,
+                        settings.upstream_tls_cert,
+                        settings.upstream_tls_key,
+                        settings.upstream_token,
+                    )
+                    draft = None if settings.local_ngram else settings.draft or None
+                    upstreams = await connect(settings.target, draft, settings.startup_timeout_s, security)
             except Exception as exc:
                 app.state.startup_error = str(exc)
                 log.error("gateway start-up failed: %s", exc)

@@ -105,13 +105,15 @@ class Upstreams:
     draft: pb_grpc.DraftStub | None
     draft_info: pb.InfoResponse | None
     channels: list[grpc.aio.Channel]
-    verify: StreamMux | None = None  # Target.VerifyStream, shared by all requests
-    propose: StreamMux | None = None  # Draft.ProposeStream
+    verify: StreamMux | None = None  # Target.VerifyStream, shared by all requests (or a LocalMux)
+    propose: StreamMux | None = None  # Draft.ProposeStream (or a LocalMux)
     target_health: health_pb2_grpc.HealthStub | None = None
     draft_health: health_pb2_grpc.HealthStub | None = None
     stream_metadata: tuple[tuple[str, str], ...] = ()  # the shared token, for streams (interceptors miss them)
 
     def __post_init__(self) -> None:
+        if not self.channels:
+            return  # services in this process (services.gateway.colocated): calls and health come ready-made
         md = self.stream_metadata or None
         self.verify = StreamMux(lambda: self.target.VerifyStream(metadata=md), "target")
         self.target_health = health_pb2_grpc.HealthStub(self.channels[0])

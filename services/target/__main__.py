@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from tandem.config import TargetSettings
 
 if TYPE_CHECKING:
+    from services.target.servicer import TargetServicer
     from services.target.verifier import Verifier
+    from tandem.grpc_server import EngineWorker
 
 
-async def serve_target(settings: TargetSettings, configure: Callable[[Verifier], None] | None = None) -> None:
-    """Run the target service; `configure` may adjust the Verifier once the model is loaded (benchmarks)."""
+def build_target(
+    settings: TargetSettings, configure: Callable[[Verifier], None] | None = None
+) -> tuple[TargetServicer, EngineWorker, Callable[[], Awaitable[None]]]:
+    """The target's servicer, its engine thread, and the coroutine that loads the model into it.
+
+    Shared by the gRPC service and the co-located gateway (services.gateway.colocated), which calls the same
+    servicer in its own process. `configure` may adjust the Verifier once the model is loaded (benchmarks).
+    """
     from services.target.servicer import TargetServicer
     from tandem.engine import Engine
-    from tandem.grpc_server import EngineWorker, serve_service
-    from tandem.v1 import tandem_pb2_grpc as pb_grpc
+    from tandem.grpc_server import EngineWorker
 
     worker = EngineWorker()
     servicer = TargetServicer(worker)
@@ -30,6 +37,15 @@ async def serve_target(settings: TargetSettings, configure: Callable[[Verifier],
             configure(verifier)
         servicer.attach(verifier, settings.max_batch, settings.batch_wait_ms)
 
+    return servicer, worker, load
+
+
+async def serve_target(settings: TargetSettings, configure: Callable[[Verifier], None] | None = None) -> None:
+    """Run the target service; `configure` may adjust the Verifier once the model is loaded (benchmarks)."""
+    from tandem.grpc_server import serve_service
+    from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+    servicer, worker, load = build_target(settings, configure)
     await serve_service(
         settings,
         service_name="tandem.v1.Target",

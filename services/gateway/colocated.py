@@ -1,0 +1,198 @@
+"""The co-located gateway: the target (and the draft) run in the gateway's own process, called without gRPC.
+
+When both models sit on one host and one llama.cpp build (two NVIDIA GPUs, or a GPU and the CPU), the two gRPC calls
+of every speculative round buy nothing but cost: ~2.4-3 ms a round on the H200 host, 8-11% of a 70B round
+(docs/benchmarks/h200x2-synth-2026-12-01-current). Here the gateway loads the same servicers the services run and
+calls their methods directly: the same protobuf messages, the same step scheduler batching every request's calls into
+one forward pass, the same errors as gRPC status codes (an `AioRpcError`, as a remote call raises), so the
+speculative loop in services.gateway.speculative runs unchanged. Only the transport is gone.
+
+Separate services stay the default: they are what lets a draft run on another machine, or on a GPU of another vendor
+(one process loads one llama.cpp build).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind
+
+from services.gateway.streams import upstream_error
+from services.gateway.upstream import Upstreams, check_compatible
+from tandem.config import DraftSettings, TargetSettings
+from tandem.errors import TandemError
+from tandem.grpc_server import EngineWorker
+from tandem.telemetry import context_from_metadata, tracer
+from tandem.v1 import tandem_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+EXPIRE_PERIOD_S = 5.0  # how often idle sessions are closed (the services' own period)
+
+
+class _LocalContext:
+    """The little of grpc.aio.ServicerContext that the servicers' unary methods use."""
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise upstream_error(code, details)
+
+
+_CONTEXT = _LocalContext()
+
+
+async def invoke(
+    handler: Callable[[Any, Any], Awaitable[Any]], request: Any, timeout: float | None, name: str, parent
+) -> Any:
+    """Call a servicer method as the gRPC server would: a server span, the call's deadline, and the error mapping
+    of tandem.grpc_server.ErrorInterceptor, raised as the AioRpcError a remote call would raise."""
+    with tracer().start_as_current_span(name, context=parent, kind=SpanKind.SERVER) as span:
+        try:
+            async with asyncio.timeout(timeout):
+                return await handler(request, _CONTEXT)
+        except TandemError as exc:
+            span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
+            raise upstream_error(exc.code, str(exc)) from None
+        except TimeoutError:
+            raise upstream_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no answer in {timeout} s") from None
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            log.exception("unhandled error in %s", name)
+            raise upstream_error(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}") from None
+
+
+class LocalStub:
+    """A stub whose methods call a servicer in this process: `await stub.Open(request, timeout=..., metadata=...)`."""
+
+    def __init__(self, servicer: Any, service: str) -> None:
+        self._servicer = servicer
+        self._service = service
+
+    def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
+        handler = getattr(self._servicer, method)
+        name = f"/{self._service}/{method}"
+
+        def call(request: Any, timeout: float | None = None, metadata=None) -> Awaitable[Any]:
+            return invoke(handler, request, timeout, name, context_from_metadata(metadata))
+
+        return call
+
+
+class LocalMux:
+    """StreamMux's interface (`call(request, timeout)`) over a servicer method in this process."""
+
+    def __init__(self, handler: Callable[[Any, Any], Awaitable[Any]], name: str) -> None:
+        self._handler = handler
+        self.name = name
+
+    async def call(self, request: Any, timeout: float) -> Any:
+        parent = propagate.extract(dict(request.trace_context))
+        return await invoke(self._handler, request, timeout, self.name, parent)
+
+    async def close(self) -> None:
+        """Nothing to close: there is no stream."""
+
+
+class LocalHealth:
+    """grpc.health.v1's Check for a servicer in this process: SERVING once its model is loaded."""
+
+    def __init__(self, servicer: Any) -> None:
+        self._servicer = servicer
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, timeout: float | None = None):
+        serving = self._servicer.scheduler is not None
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=status)
+
+
+@dataclass
+class ColocatedUpstreams(Upstreams):
+    """Upstreams whose services live in this process; closing it stops their engine threads."""
+
+    workers: list[EngineWorker] = field(default_factory=list)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for worker in self.workers:
+            await asyncio.to_thread(worker.shutdown)
+
+
+async def start_colocated(
+    target_settings: TargetSettings,
+    draft_settings: DraftSettings | None,
+    configure_target: Callable[[Any], None] | None = None,
+) -> ColocatedUpstreams:
+    """Load the target (and the draft) into this process and return them as the gateway's upstreams.
+
+    The models must already be pinned (tandem.config.pin_colocated) and llama_cpp imported before grpc and numpy
+    (see tandem.cli.service_main); services.gateway.__main__ does both.
+    """
+    from services.draft.__main__ import build_draft
+    from services.target.__main__ import build_target
+
+    target, target_worker, load_target = build_target(target_settings, configure_target)
+    workers = [target_worker]
+    draft = None
+    try:
+        print("tandem: loading the target model in this process", flush=True)
+        await load_target()
+        if draft_settings is not None:
+            draft, draft_worker, load_draft = build_draft(draft_settings)
+            workers.append(draft_worker)
+            print(f"tandem: loading the {draft_settings.drafter} drafter in this process", flush=True)
+            await load_draft()
+        target_stub = LocalStub(target, "tandem.v1.Target")
+        target_info = await target_stub.Info(pb.InfoRequest())
+        draft_stub = draft_info = None
+        if draft is not None:
+            draft_stub = LocalStub(draft, "tandem.v1.Draft")
+            draft_info = await draft_stub.Info(pb.InfoRequest())
+            check_compatible(target_info, draft_info)
+    except BaseException:
+        for worker in workers:
+            worker.shutdown()
+        raise
+    upstreams = ColocatedUpstreams(
+        target_stub,
+        target_info,
+        draft_stub,
+        draft_info,
+        channels=[],
+        verify=LocalMux(target.Verify, "/tandem.v1.Target/Verify"),
+        propose=LocalMux(draft.Propose, "/tandem.v1.Draft/Propose") if draft is not None else None,
+        target_health=LocalHealth(target),
+        draft_health=LocalHealth(draft) if draft is not None else None,
+        workers=workers,
+    )
+    upstreams.tasks.append(asyncio.create_task(_expire_idle([s for s in (target, draft) if s is not None])))
+    log.info(
+        "co-located: target %s on %s; draft %s",
+        target_info.model_name,
+        target_info.device,
+        f"{draft_info.drafter}:{draft_info.model_name} on {draft_info.device}" if draft_info else "none",
+    )
+    return upstreams
+
+
+async def _expire_idle(servicers: list) -> None:
+    """Close idle sessions periodically, as each service does on its own."""
+    while True:
+        await asyncio.sleep(EXPIRE_PERIOD_S)
+        for servicer in servicers:
+            try:
+                await servicer.expire_idle()
+            except Exception:
+                log.exception("closing idle sessions failed")

@@ -1,0 +1,166 @@
+"""The co-located gateway (`--colocate`): target and draft in the gateway's process, called without gRPC.
+
+Real models, real HTTP; only the transport between gateway and models is gone, so everything the separate services
+guarantee must hold here too: lossless output with continuous batching and overlapped drafting, OpenAI-shaped
+errors for bad input, health and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from services.gateway.colocated import invoke
+from tandem.config import DraftSettings, TargetSettings, pin_colocated
+from tandem.errors import InvalidArgument, SessionNotFound
+from tandem.launch import start_colocated_gateway
+from tests.conftest import THREADS, Service
+
+PROMPTS = [
+    "Write a Python function that parses a CSV file into a list of dictionaries, with comments.",
+    "Explain how a hash map works to a new programmer, step by step.",
+    "List twelve tips for writing clean code, each with one sentence of explanation.",
+    "Rewrite this function with type hints and a docstring:\n\ndef area(shape, a, b=None):\n    if shape == 'square':\n"
+    "        return a * a\n    if shape == 'rect':\n        return a * b\n    raise ValueError(shape)\n",
+]
+
+
+@pytest.fixture(scope="module")
+def colocated(service_tmp: Path) -> Iterator[Service]:
+    """Target and a same-model draft in one process, flash attention on (batch rows then round like single tokens,
+    see test_lossless_e2e), overlapped drafting on. No prefix cache: a prompt whose prefix is reused is prefilled in
+    other chunks than a cold one, which moves logits by an ulp (on this model, one of these prompts then flips a
+    near-tie between its target-only run and its speculative run, with separate services just the same)."""
+    common = {"n_threads": THREADS, "flash_attn": "on", "max_sessions": "8", "n_ctx": "8192", "prefix_cache": "false"}
+    gateway = start_colocated_gateway(service_tmp, common, {**common, "drafter": "model"}, "--overlap-draft")
+    yield gateway
+    gateway.stop()
+
+
+def _chat(gateway: Service, prompt: str, n_max: int, **extra) -> dict:
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 96,
+        "temperature": 0,
+        "logprobs": True,
+        "speculative.n_max": n_max,
+        "speculative.adaptive": False,
+        **extra,
+    }
+    response = httpx.post(f"{gateway.address}/v1/chat/completions", json=body, timeout=600)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_colocated_speculation_is_lossless(colocated: Service) -> None:
+    """Four requests at a time, same-model draft: every text and logprob equals target-only decoding, every draft
+    token is accepted, and drafting overlapped verification."""
+    plain = [_chat(colocated, p, n_max=0) for p in PROMPTS]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        spec = list(pool.map(lambda p: _chat(colocated, p, n_max=4), PROMPTS))
+    for prompt, a, b in zip(PROMPTS, plain, spec, strict=True):
+        assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"], prompt
+        got = [t["logprob"] for t in b["choices"][0]["logprobs"]["content"]]
+        assert got == [t["logprob"] for t in a["choices"][0]["logprobs"]["content"]], prompt
+    drafted = sum(s["timings"]["draft_n"] for s in spec)
+    assert drafted > 0 and sum(s["timings"]["draft_n_accepted"] for s in spec) == drafted
+    assert sum(s["timings"]["overlapped_rounds"] for s in spec) > 0
+    # No transport: the gateway's view of a Verify call is the service's own time plus microseconds.
+    t = spec[0]["timings"]
+    assert t["verify_rpc_ms"] - t["verify_service_ms"] < 0.5 * t["verify_calls"]
+
+
+def test_colocated_seeded_sampling_is_reproducible(colocated: Service) -> None:
+    args = {"temperature": 0.8, "seed": 7, "logprobs": False}
+    first = _chat(colocated, PROMPTS[1], n_max=4, **args)
+    second = _chat(colocated, PROMPTS[1], n_max=4, **args)
+    assert first["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+    assert first["timings"]["draft_n"] > 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": [5, 10**7], "max_tokens": 4}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 9000}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 5}, "temperature"),
+    ],
+)
+def test_colocated_bad_input_gets_openai_errors(colocated: Service, path: str, body: dict, param: str) -> None:
+    response = httpx.post(f"{colocated.address}{path}", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert httpx.get(f"{colocated.address}/health").status_code == 200
+
+
+def test_colocated_health_and_metrics(colocated: Service) -> None:
+    health = httpx.get(f"{colocated.address}/health").json()
+    assert health["status"] == "ok"
+    assert health["target"]["serving"] and health["draft"]["serving"] and health["draft"]["drafter"] == "model"
+    metrics = httpx.get(f"{colocated.address}/metrics").text
+    assert 'tandem_upstream_up{service="target"} 1.0' in metrics
+    assert 'tandem_upstream_up{service="draft"} 1.0' in metrics
+
+
+def _raising(exc: BaseException):
+    async def handler(request, context):
+        raise exc
+
+    return handler
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (InvalidArgument("bad token"), grpc.StatusCode.INVALID_ARGUMENT),
+        (SessionNotFound("gone"), grpc.StatusCode.NOT_FOUND),
+        (ZeroDivisionError("bug"), grpc.StatusCode.INTERNAL),
+    ],
+)
+def test_local_calls_raise_the_status_a_remote_call_would(exc: BaseException, code: grpc.StatusCode) -> None:
+    async def run() -> grpc.aio.AioRpcError:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await invoke(_raising(exc), None, 5.0, "/tandem.v1.Target/Verify", None)
+        return info.value
+
+    error = asyncio.run(run())
+    assert error.code() == code
+    assert str(exc) in error.details()
+
+
+def test_local_call_deadline() -> None:
+    async def slow(request, context):
+        await asyncio.sleep(5)
+
+    async def run() -> grpc.aio.AioRpcError:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await invoke(slow, None, 0.05, "/tandem.v1.Draft/Propose", None)
+        return info.value
+
+    assert asyncio.run(run()).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_pin_colocated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two GPUs of one backend: both visible, each model pinned to its own by index; a CPU model offloads nothing;
+    GPUs of two backends cannot share a process."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    target = TargetSettings(device="cuda:3", n_gpu_layers=-1)
+    draft = DraftSettings(device="cuda:1", n_gpu_layers=-1, split_mode="layer")
+    pin_colocated(target, draft)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,1"
+    assert (target.main_gpu, draft.main_gpu, draft.split_mode) == (0, 1, "none")
+    assert target.device is None and draft.device is None
+
+    cpu_draft = DraftSettings(device="cpu", n_gpu_layers=-1)
+    pin_colocated(TargetSettings(device="cuda:0", n_gpu_layers=-1), cpu_draft)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0" and cpu_draft.n_gpu_layers == 0
+
+    with pytest.raises(ValueError, match="one GPU backend"):
+        pin_colocated(TargetSettings(device="cuda:0"), DraftSettings(device="rocm:0"))
