@@ -142,7 +142,6 @@ def pin_colocated(*models: EngineSettings) -> None:
             model.split_mode = "none"
         model.device = None  # pinned here: Engine must not pin again
 
-
     def resolved_threads(self) -> tuple[int, int]:
         n = self.n_threads or os.cpu_count() or 1
         return n, self.n_threads_batch or n

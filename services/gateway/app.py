@@ -37,6 +37,8 @@ class Colocated:
     target: TargetSettings
     draft: DraftSettings | None
     configure_target: Callable[[Any], None] | None = None  # benchmarks only (bench.synthetic_target)
+
+
 KNOWN_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models"}
 
 
