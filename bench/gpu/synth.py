@@ -19,7 +19,14 @@ from pathlib import Path
 
 import httpx
 
-from tandem.launch import Process, free_port, start_gateway, start_model_service, wait_http_ok
+from tandem.launch import (
+    Process,
+    free_port,
+    start_colocated_gateway,
+    start_gateway,
+    start_model_service,
+    wait_http_ok,
+)
 
 PROMPT = "Once upon a time there was a"
 PLACEMENTS = {
@@ -81,6 +88,64 @@ def tandem_row(pair, placement, length, k, overlap, replies, base) -> dict:
     }  # fmt: skip
 
 
+def measure_tandem(args, client, pair, placement, length, gateways: dict[str, Process], base, rows, mode) -> float:
+    """Target-only (once per base) and every k with each gateway (overlap on/off); returns the target-only rate."""
+    first = next(iter(gateways.values()))
+    complete(client, first.address, 8, {"speculative.n_max": 2})  # warm-up
+    if base is None:
+        base = tok_s([complete(client, first.address, args.max_tokens, {"speculative.n_max": 0})
+                      for _ in range(args.reps)])  # fmt: skip
+        rows.append({"engine": "tandem", "mode": mode, "pair": pair, "draft_on": "-", "L": length, "k": 0,
+                     "overlap": "-", "tok_s": round(base, 1), "speedup": 1.0})  # fmt: skip
+    for k in args.ks:
+        if length > k + 1:
+            continue
+        for overlap, gw in gateways.items():
+            spec = {"speculative.n_max": k, "speculative.adaptive": False}
+            replies = [complete(client, gw.address, args.max_tokens, spec) for _ in range(args.reps)]
+            rows.append({"mode": mode, **tandem_row(pair, placement, length, k, overlap, replies, base)})
+            log(f"{pair} {mode} {placement} L={length} k={k} overlap {overlap}: {rows[-1]['tok_s']} tok/s")
+    return base
+
+
+def settings_env(flags: list[str]) -> dict[str, str]:
+    """Service flags ('--n-gpu-layers', '-1', ...) as the settings a co-located gateway reads from the environment."""
+    pairs = zip(flags[::2], flags[1::2], strict=True)
+    return {flag.removeprefix("--").replace("-", "_"): value for flag, value in pairs} | {"prefix_cache": "false"}
+
+
+def run_tandem_colocated(args, client, pair, target_path, draft_path, rows, deadline, log_dir) -> None:
+    """The same rows with the target and the draft loaded into the gateway's process (services.gateway --colocate):
+    no gRPC between them. One gateway (one 70B copy) at a time: overlap on, then off."""
+    target = settings_env(TARGET_FLAGS) | {"model": str(target_path), "flash_attn": args.flash_attn}
+    for length in args.lengths:
+        base = None
+        for placement in args.placements:
+            if time.monotonic() > deadline:
+                rows.append({"engine": "tandem", "mode": "co-located", "pair": pair, "L": length,
+                             "draft_on": placement, "skipped": "deadline"})  # fmt: skip
+                continue
+            draft = settings_env([*PLACEMENTS[placement][0].split(), *DRAFT_FLAGS])
+            draft |= {"drafter": "model", "model": str(draft_path), "flash_attn": args.flash_attn}
+            for overlap in ("on", "off"):
+                log(f"{pair}: co-located gateway L={length}, draft on {placement}, overlap {overlap} ...")
+                gw = start_colocated_gateway(
+                    log_dir, target, draft, "--synth-len", str(length), "--colocated-gateway",
+                    f"--{'' if overlap == 'on' else 'no-'}overlap-draft", timeout=900, module="bench.synthetic_target",
+                )  # fmt: skip
+                try:
+                    base = measure_tandem(
+                        args, client, pair, placement, length, {overlap: gw}, base, rows, "co-located"
+                    )
+                finally:
+                    gw.stop()
+
+
+TARGET_FLAGS = ["--n-gpu-layers", "-1", "--device", "cuda:0", "--n-threads", "4", "--max-sessions", "2",
+                "--n-ctx", "4096"]  # fmt: skip
+DRAFT_FLAGS = ["--max-sessions", "2", "--n-ctx", "4096"]
+
+
 def run_tandem(args, client, pair, target_path, draft_path, rows, deadline, log_dir) -> None:
     for length in args.lengths:
         if time.monotonic() > deadline:
@@ -89,8 +154,7 @@ def run_tandem(args, client, pair, target_path, draft_path, rows, deadline, log_
         log(f"{pair}: synthetic target L={length} ...")
         target = start_model_service(
             "bench.synthetic_target",
-            ["--synth-len", str(length), "--model", str(target_path), "--n-gpu-layers", "-1", "--device", "cuda:0",
-             "--n-threads", "4", "--max-sessions", "2", "--n-ctx", "4096", "--no-prefix-cache",
+            ["--synth-len", str(length), "--model", str(target_path), *TARGET_FLAGS, "--no-prefix-cache",
              "--flash-attn", args.flash_attn],
             log_dir, timeout=900,
         )  # fmt: skip
@@ -105,27 +169,15 @@ def run_tandem(args, client, pair, target_path, draft_path, rows, deadline, log_
                 flags = PLACEMENTS[placement][0].split()
                 draft = start_model_service(
                     "services.draft",
-                    ["--drafter", "model", "--model", str(draft_path), *flags, "--max-sessions", "2",
-                     "--n-ctx", "4096", "--no-prefix-cache", "--flash-attn", args.flash_attn],
+                    ["--drafter", "model", "--model", str(draft_path), *flags, *DRAFT_FLAGS, "--no-prefix-cache",
+                     "--flash-attn", args.flash_attn],
                     log_dir, timeout=600,
                 )  # fmt: skip
                 gw_on = start_gateway(target.address, draft.address, log_dir, "--overlap-draft")
                 gw_off = start_gateway(target.address, draft.address, log_dir, "--no-overlap-draft")
                 procs += [draft, gw_on, gw_off]
-                complete(client, gw_on.address, 8, {"speculative.n_max": 2})  # warm-up
-                if base is None:
-                    base = tok_s([complete(client, gw_on.address, args.max_tokens, {"speculative.n_max": 0})
-                                  for _ in range(args.reps)])  # fmt: skip
-                    rows.append({"engine": "tandem", "pair": pair, "draft_on": "-", "L": length, "k": 0,
-                                 "overlap": "-", "tok_s": round(base, 1), "speedup": 1.0})  # fmt: skip
-                for k in args.ks:
-                    if length > k + 1:
-                        continue
-                    for overlap, gw in (("on", gw_on), ("off", gw_off)):
-                        spec = {"speculative.n_max": k, "speculative.adaptive": False}
-                        replies = [complete(client, gw.address, args.max_tokens, spec) for _ in range(args.reps)]
-                        rows.append(tandem_row(pair, placement, length, k, overlap, replies, base))
-                        log(f"{pair} {placement} L={length} k={k} overlap {overlap}: {rows[-1]['tok_s']} tok/s")
+                gateways = {"on": gw_on, "off": gw_off}
+                base = measure_tandem(args, client, pair, placement, length, gateways, base, rows, "services")
                 for p in (gw_off, gw_on, draft):
                     p.stop()
                     procs.remove(p)
@@ -197,7 +249,7 @@ def run_peer(args, client, pair, target_path, draft_path, rows, deadline, log_di
 
 
 def table(rows: list[dict]) -> str:
-    keys = ["engine", "pair", "draft_on", "L", "k", "overlap", "tok_s", "tok_s_at_L", "speedup", "mean_len",
+    keys = ["engine", "mode", "pair", "draft_on", "L", "k", "overlap", "tok_s", "tok_s_at_L", "speedup", "mean_len",
             "acceptance", "draft_pct", "verify_pct", "overhead_pct", "round_ms", "gw_ms", "grpc_ms", "svc_ms",
             "overlapped_rounds", "rounds", "skipped"]  # fmt: skip
     keys = [k for k in keys if any(k in r for r in rows)]
@@ -224,8 +276,14 @@ def main(argv: list[str] | None = None) -> int:
         "--flash-attn", choices=("on", "off"), default="on",
         help="for both engines alike (llama-server's own default on CUDA is on)",
     )  # fmt: skip
+    parser.add_argument(
+        "--modes", default="services",
+        help="tandem's deployments, comma-separated: services (draft, target and gateway as processes, gRPC between"
+        " them), co-located (both models inside the gateway's process: services.gateway --colocate)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    args.modes = args.modes.split(",")
     args.placements = args.placements.split(",")
     args.peer_placements = args.peer_placements.split(",") if args.peer_placements else args.placements
     args.lengths = [float(x) for x in args.lengths.split(",")]
@@ -241,8 +299,10 @@ def main(argv: list[str] | None = None) -> int:
             for pair in args.pairs.split(","):
                 target_shape, draft_shape = pair.split(":")
                 paths = args.models / f"{target_shape}.gguf", args.models / f"{draft_shape}.gguf"
-                if args.only != "peer":
+                if args.only != "peer" and "services" in args.modes:
                     run_tandem(args, client, pair, *paths, rows, deadline, log_dir)
+                if args.only != "peer" and "co-located" in args.modes:
+                    run_tandem_colocated(args, client, pair, *paths, rows, deadline, log_dir)
                 if args.peer and args.only != "tandem":
                     run_peer(args, client, pair, *paths, rows, deadline, log_dir)
     finally:
