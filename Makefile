@@ -33,7 +33,7 @@ $(PROTO_OUT): $(PROTO_SRC) $(VENV)/.installed
 	@touch tandem/v1/__init__.py
 
 run: install
-	$(PY) -m tandem.stack --port $(PORT) --drafter $(DRAFT)
+	$(PY) -m tandem.stack --port $(PORT) --drafter $(DRAFT) $(if $(COLOCATE),--colocate)
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)

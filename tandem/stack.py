@@ -1,6 +1,7 @@
 """`make run`: the whole stack on this machine — target, draft and gateway as three processes on 127.0.0.1.
 
-(`--drafter local-ngram` drafts inside the gateway instead: two processes.)
+(`--drafter local-ngram` drafts inside the gateway instead: two processes. `--colocate` loads both models into the
+gateway's process: one process, no gRPC between the models and the gateway.)
 
 Each service is its own process (as it would be its own container), started with the settings below; the gateway
 waits for both to report SERVING. Ctrl-C stops all three, by PID.
@@ -22,6 +23,12 @@ def _spawn(name: str, module: str, args: list[str], env: dict[str, str]) -> subp
     return subprocess.Popen([sys.executable, "-m", module, *args], env=env)
 
 
+def _as_env(prefix: str, flags: list[str]) -> dict[str, str]:
+    """['--n-threads', '2', ...] -> {'<prefix>N_THREADS': '2', ...}: a service's flags as its settings variables."""
+    pairs = zip(flags[::2], flags[1::2], strict=True)
+    return {prefix + flag.removeprefix("--").replace("-", "_").upper(): value for flag, value in pairs}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", 8000)), help="gateway HTTP port")
@@ -37,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-port", type=int, default=50051)
     parser.add_argument("--draft-port", type=int, default=50052)
     parser.add_argument("--threads", type=int, default=0, help="CPU threads per model service (0 = all cores)")
+    parser.add_argument(
+        "--colocate",
+        action="store_true",
+        help="one process: the gateway loads the target and the draft itself and calls them without gRPC",
+    )
     args = parser.parse_args(argv)
 
     env = dict(os.environ)
@@ -53,10 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     ]  # fmt: skip
     if local:
         gateway_args.append("--local-ngram")
-    procs = [_spawn("target", "services.target", target_args, env)]
-    if not local:
-        procs.append(_spawn("draft", "services.draft", draft_args, env))
-    procs.append(_spawn("gateway", "services.gateway", gateway_args, env))
+    if args.colocate:
+        # The models' settings travel as their TANDEM_TARGET_* / TANDEM_DRAFT_* variables (see GatewaySettings).
+        env |= _as_env("TANDEM_TARGET_", target_args) | _as_env("TANDEM_DRAFT_", draft_args)
+        procs = [_spawn("gateway with co-located models", "services.gateway", [*gateway_args, "--colocate"], env)]
+    else:
+        procs = [_spawn("target", "services.target", target_args, env)]
+        if not local:
+            procs.append(_spawn("draft", "services.draft", draft_args, env))
+        procs.append(_spawn("gateway", "services.gateway", gateway_args, env))
     print(f"tandem: OpenAI API at http://{args.host}:{args.port}/v1 once /health says ok; Ctrl-C stops", flush=True)
 
     stopping = False

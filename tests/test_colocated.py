@@ -164,3 +164,35 @@ def test_pin_colocated(monkeypatch: pytest.MonkeyPatch) -> None:
 
     with pytest.raises(ValueError, match="one GPU backend"):
         pin_colocated(TargetSettings(device="cuda:0"), DraftSettings(device="rocm:0"))
+
+
+def test_stack_colocate_runs_in_one_process(tmp_path: Path) -> None:
+    """`python -m tandem.stack --colocate` (what `make run COLOCATE=1` starts): one process serves the API, and
+    stopping it by its PID leaves nothing behind."""
+    import signal
+    import subprocess
+    import sys
+
+    from tandem.launch import ROOT, free_port, wait_http_ok
+
+    port = free_port()
+    log = tmp_path / "stack.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.stack", "--colocate", "--port", str(port), "--threads", THREADS],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", proc, 120)
+        body = {"prompt": "def add(a, b):\n    return a + b\n\ndef add(a, b):", "max_tokens": 24, "temperature": 0}
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120).json()
+        assert reply["usage"]["completion_tokens"] > 0
+        assert reply["timings"]["speculation"] == "on"
+        assert "gateway with co-located models" in log.read_text()
+        assert "starting target" not in log.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert proc.returncode == 0, log.read_text()[-2000:]
