@@ -24,7 +24,14 @@ from pathlib import Path
 import httpx
 
 from bench.workloads import Workload, workloads
-from tandem.launch import Process, free_port, start_gateway, start_model_service, wait_http_ok
+from tandem.launch import (
+    Process,
+    free_port,
+    start_colocated_gateway,
+    start_gateway,
+    start_model_service,
+    wait_http_ok,
+)
 
 MAX_TOKENS = 256
 
@@ -100,6 +107,29 @@ def start_tandem(args: argparse.Namespace, log_dir: Path, stack: Stack) -> tuple
     return ngram_gw.address, service_gw.address, model_urls
 
 
+COLOCATED = "co-located "  # name prefix of the configurations served by a gateway with the target in its process
+
+
+def start_colocated(args: argparse.Namespace, log_dir: Path, stack: Stack) -> str:
+    """A gateway with the target loaded into its own process (`--colocate`) and the n-gram drafter in it too: no gRPC
+    at all. Same target flags as the target service, as its TANDEM_TARGET_* settings."""
+    flags = ["--no-prefix-cache", *(["--model", args.model] if args.model else []), *shlex.split(args.target_args)]
+    target: dict[str, str] = {}
+    i = 0
+    while i < len(flags):
+        name = flags[i].removeprefix("--")
+        if name.startswith("no-"):
+            target[name[3:].replace("-", "_")] = "false"
+            i += 1
+        else:
+            target[name.replace("-", "_")] = flags[i + 1]
+            i += 2
+    print("starting co-located gateway ...", file=sys.stderr, flush=True)
+    gateway = start_colocated_gateway(log_dir, target, None, "--n-max", "4", "--local-ngram")
+    stack.processes.append(gateway)
+    return gateway.address
+
+
 def placements(args: argparse.Namespace) -> list[tuple[str, str]]:
     """Where model drafts run: `--draft NAME=FLAGS` (repeatable), else one placement from --draft-args."""
     if not args.draft:
@@ -146,6 +176,13 @@ def build_configs(
     if not args.no_adaptive:
         top = max(ngram_ks)
         configs.append(Config(f"ngram adaptive<={top}", "tandem", ngram_url, top, "target-only", "ngram", True))
+    if args.colocated:
+        url, base = start_colocated(args, log_dir, stack), f"{COLOCATED}target-only"
+        configs.append(Config(base, "tandem", url, 0, base))
+        configs += [Config(f"{COLOCATED}ngram k={k}", "tandem", url, k, base, "ngram") for k in ngram_ks]
+        if not args.no_adaptive:
+            top = max(ngram_ks)
+            configs.append(Config(f"{COLOCATED}ngram adaptive<={top}", "tandem", url, top, base, "ngram", True))
     for name, url in model_urls.items():
         configs += [Config(f"{name} k={k}", "tandem", url, k, "target-only", "model") for k in ks]
         if not args.no_adaptive:
@@ -344,6 +381,12 @@ def main(argv: list[str] | None = None) -> int:
         " that costs nothing per token can draft long copies in one round",
     )
     parser.add_argument("--no-model-draft", action="store_true", help="skip the model drafter configurations")
+    parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="add the target-only and n-gram configurations of a co-located gateway (the target in the gateway's"
+        " process, `--colocate`), each compared with its own target-only mode",
+    )
     parser.add_argument("--no-adaptive", action="store_true", help="skip the adaptive draft length configurations")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<time>)")
     parser.add_argument("--label", default="", help="a note stored with the results (machine, date, ...)")
@@ -404,6 +447,8 @@ def resummarise(path: Path) -> int:
         if row["config"] not in seen:
             seen.add(row["config"])
             baseline = "target-only" if row["family"] == "tandem" else "llama-server"
+            if row["config"].startswith(COLOCATED):
+                baseline = f"{COLOCATED}target-only"
             configs.append(Config(row["config"], row["family"], "", None, baseline, row.get("drafter", "none")))
     by_name = {w.name: w for w in workloads(False)}
     loads = [by_name[name] for name in dict.fromkeys(r.workload for r in records)]

@@ -69,7 +69,9 @@ def plots(out: Path, rows: list[dict]) -> list[Path]:
 
     written = []
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    configs = [c for c in dict.fromkeys(r["config"] for r in rows) if c not in ("target-only", "llama-server")]
+    configs = [
+        c for c in dict.fromkeys(r["config"] for r in rows) if not c.endswith("target-only") and c != "llama-server"
+    ]
     cell = {(r["config"], r["workload"]): r for r in rows}
 
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(workloads)), 4.5))
