@@ -103,7 +103,8 @@ def start_model_service(
     return process
 
 
-def wait_http_ok(url: str, proc: subprocess.Popen, timeout: float) -> None:
+def wait_http_ok(url: str, proc: subprocess.Popen, timeout: float, any_status: bool = False) -> None:
+    """Poll `url` until it answers 200 (with any_status: until it answers at all)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -112,6 +113,9 @@ def wait_http_ok(url: str, proc: subprocess.Popen, timeout: float) -> None:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
                     return
+        except urllib.error.HTTPError:
+            if any_status:
+                return
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.1)
@@ -126,6 +130,7 @@ def start_gateway(
     timeout: float = 300,
     module: str = "services.gateway",
     env: dict[str, str] | None = None,
+    wait_healthy: bool = True,
 ) -> Process:
     """Start a gateway on a free port and wait for /health. A co-located gateway (`--colocate`, see
     start_colocated_gateway) ignores the addresses and loads the models named in `env` itself."""
@@ -142,6 +147,9 @@ def start_gateway(
         )
     process = Process("gateway", proc, f"http://127.0.0.1:{port}", log_path)
     try:
+        if not wait_healthy:  # only until it answers HTTP at all (/health may say 503: loading, or an error)
+            wait_http_ok(f"{process.address}/v1/models", proc, timeout, any_status=True)
+            return process
         wait_http_ok(f"{process.address}/health", proc, timeout)
     except BaseException:
         process.stop()
@@ -156,6 +164,7 @@ def start_colocated_gateway(
     *extra: str,
     timeout: float = 300,
     module: str = "services.gateway",
+    wait_healthy: bool = True,
 ) -> Process:
     """A gateway that loads the target (and the draft, unless None) into its own process: `--colocate`, with each
     model's settings as its TANDEM_TARGET_* / TANDEM_DRAFT_* variables ({"n_threads": "1"} -> TANDEM_TARGET_N_THREADS).
@@ -164,5 +173,5 @@ def start_colocated_gateway(
     env.update({f"TANDEM_DRAFT_{k.upper()}": v for k, v in (draft_args or {}).items()})
     return start_gateway(
         "-", "yes" if draft_args is not None else None, log_dir, "--colocate", *extra,
-        timeout=timeout, module=module, env=env,
+        timeout=timeout, module=module, env=env, wait_healthy=wait_healthy,
     )  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -98,6 +99,50 @@ def test_colocated_bad_input_gets_openai_errors(colocated: Service, path: str, b
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
     assert httpx.get(f"{colocated.address}/health").status_code == 200
+
+
+def _sessions(gateway: Service) -> dict[str, float]:
+    """tandem_sessions_active by service, from the gateway's /metrics (refreshed from Info on each scrape)."""
+    out = {}
+    for line in httpx.get(f"{gateway.address}/metrics").text.splitlines():
+        if line.startswith("tandem_sessions_active{"):
+            out[line.split('service="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_colocated_client_disconnect_frees_sessions(colocated: Service) -> None:
+    """A client that leaves mid-stream cancels the request's task, which here runs the model calls themselves; the
+    sessions on both models must still close."""
+    body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 400, "stream": True,
+            "speculative.n_max": 4}  # fmt: skip
+    with httpx.stream("POST", f"{colocated.address}/v1/chat/completions", json=body, timeout=60) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i >= 4:
+                break  # leave mid-stream
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _sessions(colocated) != {"target": 0.0, "draft": 0.0}:
+        time.sleep(0.1)
+    assert _sessions(colocated) == {"target": 0.0, "draft": 0.0}
+    assert httpx.get(f"{colocated.address}/health").json()["status"] == "ok"
+
+
+def test_colocated_model_that_fails_to_load_is_reported(tmp_path: Path) -> None:
+    """A bad model path: the gateway stays up and says why on /health (503), and /v1 answers 503, as it does while
+    separate services are unreachable."""
+    gateway = start_colocated_gateway(tmp_path, {"model": str(tmp_path / "missing.gguf")}, None, wait_healthy=False)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            health = httpx.get(f"{gateway.address}/health")
+            if health.json().get("status") == "error":
+                break
+            time.sleep(0.2)
+        assert health.status_code == 503
+        assert "missing.gguf" in health.json()["error"]
+        reply = httpx.post(f"{gateway.address}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "loading"
+    finally:
+        gateway.stop()
 
 
 def test_colocated_health_and_metrics(colocated: Service) -> None:
