@@ -171,7 +171,8 @@ def start_colocated_gateway(
     """
     env = {f"TANDEM_TARGET_{k.upper()}": v for k, v in target_args.items()}
     env.update({f"TANDEM_DRAFT_{k.upper()}": v for k, v in (draft_args or {}).items()})
+    # The addresses only say whether there is a draft (an empty --draft means none); nothing is dialled.
     return start_gateway(
-        "-", "yes" if draft_args is not None else None, log_dir, "--colocate", *extra,
+        "in-process", "in-process" if draft_args is not None else None, log_dir, "--colocate", *extra,
         timeout=timeout, module=module, env=env, wait_healthy=wait_healthy,
     )  # fmt: skip
