@@ -1,7 +1,7 @@
 """The co-located gateway: the target (and the draft) run in the gateway's own process, called without gRPC.
 
 When both models sit on one host and one llama.cpp build (two NVIDIA GPUs, or a GPU and the CPU), the two gRPC calls
-of every speculative round buy nothing but cost: ~2.4-3 ms a round on the H200 host, 8-11% of a 70B round
+of every speculative round buy nothing but cost: ~2.4-3 ms a round on the H200 host, 6-11% of a 70B round
 (docs/benchmarks/h200x2-synth-2026-12-01-current). Here the gateway loads the same servicers the services run and
 calls their methods directly: the same protobuf messages, the same step scheduler batching every request's calls into
 one forward pass, the same errors as gRPC status codes (an `AioRpcError`, as a remote call raises), so the
