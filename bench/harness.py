@@ -27,6 +27,7 @@ from bench.workloads import Workload, workloads
 from tandem.launch import (
     Process,
     free_port,
+    settings_from_flags,
     start_colocated_gateway,
     start_gateway,
     start_model_service,
@@ -114,16 +115,7 @@ def start_colocated(args: argparse.Namespace, log_dir: Path, stack: Stack) -> st
     """A gateway with the target loaded into its own process (`--colocate`) and the n-gram drafter in it too: no gRPC
     at all. Same target flags as the target service, as its TANDEM_TARGET_* settings."""
     flags = ["--no-prefix-cache", *(["--model", args.model] if args.model else []), *shlex.split(args.target_args)]
-    target: dict[str, str] = {}
-    i = 0
-    while i < len(flags):
-        name = flags[i].removeprefix("--")
-        if name.startswith("no-"):
-            target[name[3:].replace("-", "_")] = "false"
-            i += 1
-        else:
-            target[name.replace("-", "_")] = flags[i + 1]
-            i += 2
+    target = settings_from_flags(flags)
     print("starting co-located gateway ...", file=sys.stderr, flush=True)
     gateway = start_colocated_gateway(log_dir, target, None, "--n-max", "4", "--local-ngram")
     stack.processes.append(gateway)
@@ -166,23 +158,25 @@ def peer_ngram_flags(kind: str, k: int) -> list[str]:
     return ["--spec-ngram-mod-n-max", str(k), "--spec-ngram-mod-n-min", "1"]
 
 
+def lookup_configs(prefix: str, url: str, ngram_ks: list[int], adaptive: bool) -> list[Config]:
+    """Target-only, prompt lookup at each k, and (if asked) adaptive, on one gateway; each against its target-only."""
+    base = f"{prefix}target-only"
+    configs = [Config(base, "tandem", url, 0, base)]
+    configs += [Config(f"{prefix}ngram k={k}", "tandem", url, k, base, "ngram") for k in ngram_ks]
+    if adaptive:
+        top = max(ngram_ks)
+        configs.append(Config(f"{prefix}ngram adaptive<={top}", "tandem", url, top, base, "ngram", True))
+    return configs
+
+
 def build_configs(
     args: argparse.Namespace, log_dir: Path, stack: Stack, ks: list[int], ngram_ks: list[int]
 ) -> list[Config]:
     ngram_url, service_url, model_urls = start_tandem(args, log_dir, stack)
-    configs = [Config("target-only", "tandem", ngram_url, 0, "target-only")]
-    configs += [Config(f"ngram k={k}", "tandem", ngram_url, k, "target-only", "ngram") for k in ngram_ks]
+    configs = lookup_configs("", ngram_url, ngram_ks, not args.no_adaptive)
     configs.append(Config(f"ngram-service k={max(ks)}", "tandem", service_url, max(ks), "target-only", "ngram"))
-    if not args.no_adaptive:
-        top = max(ngram_ks)
-        configs.append(Config(f"ngram adaptive<={top}", "tandem", ngram_url, top, "target-only", "ngram", True))
     if args.colocated:
-        url, base = start_colocated(args, log_dir, stack), f"{COLOCATED}target-only"
-        configs.append(Config(base, "tandem", url, 0, base))
-        configs += [Config(f"{COLOCATED}ngram k={k}", "tandem", url, k, base, "ngram") for k in ngram_ks]
-        if not args.no_adaptive:
-            top = max(ngram_ks)
-            configs.append(Config(f"{COLOCATED}ngram adaptive<={top}", "tandem", url, top, base, "ngram", True))
+        configs += lookup_configs(COLOCATED, start_colocated(args, log_dir, stack), ngram_ks, not args.no_adaptive)
     for name, url in model_urls.items():
         configs += [Config(f"{name} k={k}", "tandem", url, k, "target-only", "model") for k in ks]
         if not args.no_adaptive:

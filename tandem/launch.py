@@ -157,6 +157,22 @@ def start_gateway(
     return process
 
 
+def settings_from_flags(flags: list[str]) -> dict[str, str]:
+    """A service's flags as the settings names a co-located gateway reads from TANDEM_TARGET_* / TANDEM_DRAFT_*:
+    ['--n-threads', '2', '--no-prefix-cache'] -> {'n_threads': '2', 'prefix_cache': 'false'}."""
+    settings: dict[str, str] = {}
+    i = 0
+    while i < len(flags):
+        name = flags[i].removeprefix("--").replace("-", "_")
+        if name.startswith("no_"):
+            settings[name[3:]] = "false"
+            i += 1
+        else:
+            settings[name] = flags[i + 1]
+            i += 2
+    return settings
+
+
 def start_colocated_gateway(
     log_dir: Path,
     target_args: dict[str, str],

@@ -25,8 +25,9 @@ def _spawn(name: str, module: str, args: list[str], env: dict[str, str]) -> subp
 
 def _as_env(prefix: str, flags: list[str]) -> dict[str, str]:
     """['--n-threads', '2', ...] -> {'<prefix>N_THREADS': '2', ...}: a service's flags as its settings variables."""
-    pairs = zip(flags[::2], flags[1::2], strict=True)
-    return {prefix + flag.removeprefix("--").replace("-", "_").upper(): value for flag, value in pairs}
+    from tandem.launch import settings_from_flags
+
+    return {prefix + name.upper(): value for name, value in settings_from_flags(flags).items()}
 
 
 def main(argv: list[str] | None = None) -> int:

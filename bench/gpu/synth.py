@@ -22,6 +22,7 @@ import httpx
 from tandem.launch import (
     Process,
     free_port,
+    settings_from_flags,
     start_colocated_gateway,
     start_gateway,
     start_model_service,
@@ -108,16 +109,11 @@ def measure_tandem(args, client, pair, placement, length, gateways: dict[str, Pr
     return base
 
 
-def settings_env(flags: list[str]) -> dict[str, str]:
-    """Service flags ('--n-gpu-layers', '-1', ...) as the settings a co-located gateway reads from the environment."""
-    pairs = zip(flags[::2], flags[1::2], strict=True)
-    return {flag.removeprefix("--").replace("-", "_"): value for flag, value in pairs} | {"prefix_cache": "false"}
-
-
 def run_tandem_colocated(args, client, pair, target_path, draft_path, rows, deadline, log_dir) -> None:
     """The same rows with the target and the draft loaded into the gateway's process (services.gateway --colocate):
     no gRPC between them. One gateway (one 70B copy) at a time: overlap on, then off."""
-    target = settings_env(TARGET_FLAGS) | {"model": str(target_path), "flash_attn": args.flash_attn}
+    target = settings_from_flags([*TARGET_FLAGS, "--no-prefix-cache"])
+    target |= {"model": str(target_path), "flash_attn": args.flash_attn}
     for length in args.lengths:
         base = None
         for placement in args.placements:
@@ -125,7 +121,7 @@ def run_tandem_colocated(args, client, pair, target_path, draft_path, rows, dead
                 rows.append({"engine": "tandem", "mode": "co-located", "pair": pair, "L": length,
                              "draft_on": placement, "skipped": "deadline"})  # fmt: skip
                 continue
-            draft = settings_env([*PLACEMENTS[placement][0].split(), *DRAFT_FLAGS])
+            draft = settings_from_flags([*PLACEMENTS[placement][0].split(), *DRAFT_FLAGS, "--no-prefix-cache"])
             draft |= {"drafter": "model", "model": str(draft_path), "flash_attn": args.flash_attn}
             for overlap in ("on", "off"):
                 log(f"{pair}: co-located gateway L={length}, draft on {placement}, overlap {overlap} ...")
