@@ -43,6 +43,19 @@ class ServiceLoading(TandemError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+def error_status(exc: Exception, method: str, span) -> tuple[grpc.StatusCode, str]:
+    """The status a failed call answers with: a TandemError's own code, anything else INTERNAL with a logged trace.
+
+    The one mapping for unary calls (ErrorInterceptor), stream calls (stream_replies) and in-process calls
+    (services.gateway.colocated); call it from the `except` block, so the trace is the failure's.
+    """
+    if isinstance(exc, TandemError):
+        span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
+        return exc.code, str(exc)
+    log.exception("unhandled error in %s", method)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turn typed TandemErrors into their status codes, and anything else into INTERNAL with a logged trace."""
 
@@ -62,14 +75,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             with tracer().start_as_current_span(method, context=parent, kind=SpanKind.SERVER) as span:
                 try:
                     return await inner(request, context)
-                except TandemError as exc:
-                    span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
-                    await context.abort(exc.code, str(exc))
                 except grpc.aio.AbortError:
                     raise
                 except Exception as exc:
-                    log.exception("unhandled error in %s", method)
-                    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+                    await context.abort(*error_status(exc, method, span))
 
         return grpc.unary_unary_rpc_method_handler(
             guarded,
@@ -101,13 +110,9 @@ async def stream_replies(
         with tracer().start_as_current_span(span_name, context=parent, kind=SpanKind.SERVER) as span:
             try:
                 response = await handler(request, context)
-            except TandemError as exc:
-                span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
-                response = response_type(error=pb.Status(code=exc.code.value[0], message=str(exc)))
             except Exception as exc:
-                log.exception("unhandled error in %s", span_name)
-                code = grpc.StatusCode.INTERNAL.value[0]
-                response = response_type(error=pb.Status(code=code, message=f"{type(exc).__name__}: {exc}"))
+                code, message = error_status(exc, span_name, span)
+                response = response_type(error=pb.Status(code=code.value[0], message=message))
         response.request_id = request.request_id
         await answers.put(response)
 

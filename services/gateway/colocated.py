@@ -27,8 +27,7 @@ from opentelemetry.trace import SpanKind
 from services.gateway.streams import upstream_error
 from services.gateway.upstream import Upstreams, check_compatible
 from tandem.config import DraftSettings, TargetSettings
-from tandem.errors import TandemError
-from tandem.grpc_server import EngineWorker
+from tandem.grpc_server import EngineWorker, error_status
 from tandem.telemetry import context_from_metadata, tracer
 from tandem.v1 import tandem_pb2 as pb
 
@@ -59,16 +58,12 @@ async def invoke(
         try:
             async with asyncio.timeout(timeout):
                 return await handler(request, _CONTEXT)
-        except TandemError as exc:
-            span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
-            raise upstream_error(exc.code, str(exc)) from None
         except TimeoutError:
             raise upstream_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no answer in {timeout} s") from None
-        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+        except grpc.aio.AioRpcError:
             raise
         except Exception as exc:
-            log.exception("unhandled error in %s", name)
-            raise upstream_error(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}") from None
+            raise upstream_error(*error_status(exc, name, span)) from None
 
 
 class LocalStub:
@@ -121,6 +116,9 @@ class ColocatedUpstreams(Upstreams):
 
     workers: list[EngineWorker] = field(default_factory=list)
     tasks: list[asyncio.Task] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        """Nothing to open: the calls and health checks are passed in ready-made, and there are no channels."""
 
     async def close(self) -> None:
         for task in self.tasks:

@@ -112,8 +112,6 @@ class Upstreams:
     stream_metadata: tuple[tuple[str, str], ...] = ()  # the shared token, for streams (interceptors miss them)
 
     def __post_init__(self) -> None:
-        if not self.channels:
-            return  # services in this process (services.gateway.colocated): calls and health come ready-made
         md = self.stream_metadata or None
         self.verify = StreamMux(lambda: self.target.VerifyStream(metadata=md), "target")
         self.target_health = health_pb2_grpc.HealthStub(self.channels[0])
