@@ -73,6 +73,18 @@ def test_no_serving_setting_can_turn_it_on() -> None:
     assert "synth" in (result.stderr + result.stdout).lower()
 
 
+def _synthetic_timings(gateway: Service) -> dict:
+    """`timings` of a greedy request drafting 4 tokens a round (k fixed), through `gateway`."""
+    body = {
+        "messages": [{"role": "user", "content": "Repeat: alpha beta gamma delta, alpha beta gamma delta, alpha"}],
+        "max_tokens": 48,
+        "temperature": 0,
+        "speculative.n_max": 4,
+        "speculative.adaptive": False,
+    }
+    return httpx.post(f"{gateway.address}/v1/chat/completions", json=body, timeout=120).json()["timings"]
+
+
 def test_colocated_synthetic_gateway_says_so(service_tmp: Path) -> None:
     """The benchmark's co-located form (`bench.synthetic_target --colocated-gateway`) imposes the acceptance on the
     target it loads, and says so in every response."""
@@ -81,14 +93,7 @@ def test_colocated_synthetic_gateway_says_so(service_tmp: Path) -> None:
         "--colocated-gateway", module="bench.synthetic_target",
     )  # fmt: skip
     try:
-        body = {
-            "prompt": "Repeat: alpha beta gamma delta, alpha beta gamma delta, alpha",
-            "max_tokens": 48,
-            "temperature": 0,
-            "speculative.n_max": 4,
-            "speculative.adaptive": False,
-        }
-        timings = httpx.post(f"{gateway.address}/v1/completions", json=body, timeout=120).json()["timings"]
+        timings = _synthetic_timings(gateway)
         assert timings["synthetic_acceptance"].startswith("mean length 5.0")
         assert timings["draft_n"] > 0 and timings["acceptance_rate"] == 1.0
         assert "SYNTHETIC ACCEPTANCE" in gateway.log()
@@ -114,14 +119,7 @@ def test_synthetic_target_says_so_everywhere(synthetic_stack: dict) -> None:
     gateway: Service = synthetic_stack["gateway"]
     with grpc.insecure_channel(target.address) as channel:
         assert "mean length 5.0" in pb_grpc.TargetStub(channel).Info(pb.InfoRequest()).synthetic_acceptance
-    body = {
-        "messages": [{"role": "user", "content": "Repeat: alpha beta gamma delta, alpha beta gamma delta, alpha"}],
-        "max_tokens": 48,
-        "temperature": 0,
-        "speculative.n_max": 4,
-        "speculative.adaptive": False,
-    }
-    timings = httpx.post(f"{gateway.address}/v1/chat/completions", json=body, timeout=120).json()["timings"]
+    timings = _synthetic_timings(gateway)
     assert timings["synthetic_acceptance"].startswith("mean length 5.0")
     assert timings["draft_n"] > 0
     assert timings["acceptance_rate"] == 1.0
