@@ -65,6 +65,7 @@ def serving_stats(msg: pb.InfoResponse, store, scheduler) -> pb.InfoResponse:
         msg.batched_steps = scheduler.steps
         msg.batched_calls = scheduler.batched_groups
         msg.max_step_calls = scheduler.max_groups_seen
+        msg.inline_steps = scheduler.inline_steps
     return msg
 
 

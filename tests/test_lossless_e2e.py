@@ -19,9 +19,12 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
+from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tests.conftest import Service, start_gateway, start_model_service
 
 MAX_TOKENS = 128
@@ -167,35 +170,51 @@ def test_self_draft_sequential_verify_is_identical(exact_gateway: Service) -> No
 
 
 @pytest.fixture(scope="module")
-def fa_gateway(service_tmp: Path) -> Iterator[Service]:
+def fa_stack(service_tmp: Path) -> Iterator[tuple[Service, Service, Service]]:
     """Default batched verification, with flash attention on the CPU: batch rows then use the same kernels as
     one-token decoding. (Off, llama.cpp computes a batch's attention products with llamafile's tiled sgemm and a
-    single token's with its own dot products, which round differently: the batched-verify divergences above.)"""
+    single token's with its own dot products, which round differently: the batched-verify divergences above.)
+    Single-stream inline steps forced on (on a CPU model they are off by default), so that one request's steps run
+    on the services' serving threads and concurrent ones on their engine threads."""
     from tests.conftest import THREADS
 
     args = ["--flash-attn", "on", "--n-threads", THREADS, "--max-sessions", "8", "--n-ctx", "16384"]
+    args += ["--single-stream-inline", "on"]
     target = start_model_service("services.target", args, service_tmp)
     draft = start_model_service("services.draft", ["--drafter", "model", *args], service_tmp)
     gateway = start_gateway(target.address, draft.address, service_tmp)
-    yield gateway
+    yield gateway, target, draft
     for service in (gateway, draft, target):
         service.stop()
 
 
-def test_batched_verify_with_flash_attention_is_identical(fa_gateway: Service) -> None:
-    """Batched verification, prefix reuse and continuous batching on (the defaults), four requests at a time: with
-    kernels that round a batch row like a single token, every text and every logprob equals target-only decoding,
-    and a same-model draft is never rejected."""
-    plain = [_chat(fa_gateway, p, n_max=0) for p in PROMPTS]
+def _info(address: str, stub) -> pb.InfoResponse:
+    with grpc.insecure_channel(address) as channel:
+        return stub(channel).Info(pb.InfoRequest())
+
+
+def test_batched_verify_with_flash_attention_is_identical(fa_stack: tuple[Service, Service, Service]) -> None:
+    """Batched verification, prefix reuse and continuous batching on (the defaults), one request at a time (steps
+    run inline) and four at a time (steps merged on the engine threads): with kernels that round a batch row like a
+    single token, every text and every logprob equals target-only decoding, and a same-model draft is never
+    rejected."""
+    gateway, target, draft = fa_stack
+    plain = [_chat(gateway, p, n_max=0) for p in PROMPTS]
+    inline_before = _info(target.address, pb_grpc.TargetStub).inline_steps
+    alone = [_chat(gateway, p, n_max=N_MAX) for p in PROMPTS]
+    target_info = _info(target.address, pb_grpc.TargetStub)
+    assert target_info.inline_steps > inline_before and _info(draft.address, pb_grpc.DraftStub).inline_steps > 0
     with ThreadPoolExecutor(max_workers=4) as pool:
-        spec = list(pool.map(lambda p: _chat(fa_gateway, p, n_max=N_MAX), PROMPTS))
-    drafted = sum(s["timings"]["draft_n"] for s in spec)
-    accepted = sum(s["timings"]["draft_n_accepted"] for s in spec)
-    for prompt, a, b in zip(PROMPTS, plain, spec, strict=True):
-        assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"], prompt
-        assert [t["logprob"] for t in _tokens(b)] == [t["logprob"] for t in _tokens(a)], prompt
-    print(f"\nself-draft, batched verify, flash attention: acceptance {accepted}/{drafted} drafted tokens")
-    assert drafted > 0 and accepted == drafted
+        together = list(pool.map(lambda p: _chat(gateway, p, n_max=N_MAX), PROMPTS))
+    assert _info(target.address, pb_grpc.TargetStub).max_step_calls >= 2  # concurrent requests still share steps
+    for spec in (alone, together):
+        drafted = sum(s["timings"]["draft_n"] for s in spec)
+        accepted = sum(s["timings"]["draft_n_accepted"] for s in spec)
+        for prompt, a, b in zip(PROMPTS, plain, spec, strict=True):
+            assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"], prompt
+            assert [t["logprob"] for t in _tokens(b)] == [t["logprob"] for t in _tokens(a)], prompt
+        print(f"\nself-draft, batched verify, flash attention: acceptance {accepted}/{drafted} drafted tokens")
+        assert drafted > 0 and accepted == drafted
 
 
 def test_same_seed_same_output_with_speculation(model_gateway: Service) -> None:

@@ -264,3 +264,62 @@ def test_an_idle_scheduler_gives_the_engine_thread_back() -> None:
 
     run(main())
     worker.shutdown()
+
+
+def test_a_single_stream_call_runs_inline_on_the_calling_thread() -> None:
+    threads: list[str] = []
+
+    def verify(groups):
+        threads.append(threading.current_thread().name)
+        return [[x + 1 for x in g] for g in groups]
+
+    async def main():
+        scheduler = verify_scheduler(verify, inline=lambda: True)
+        first = await scheduler.batched("verify", [1])
+        async with engine_busy(scheduler):  # the engine thread is busy: the call queues and runs there
+            queued = asyncio.create_task(scheduler.batched("verify", [2]))
+        return first, await queued
+
+    first, queued = run(main())
+    assert (first, queued) == ([2], [3])
+    assert threads[0] == threading.main_thread().name
+    assert threads[1].startswith("engine")
+
+
+def test_inline_calls_keep_their_errors_and_do_not_overtake_queued_calls() -> None:
+    order: list[str] = []
+
+    def verify(groups):
+        out = []
+        for g in groups:
+            order.append(g[0])
+            out.append(InvalidArgument("bad") if g[0] == "bad" else list(g))
+        return out
+
+    async def main():
+        scheduler = verify_scheduler(verify, inline=lambda: True)
+        with pytest.raises(InvalidArgument):
+            await scheduler.batched("verify", ["bad"])
+        async with engine_busy(scheduler):
+            first = asyncio.create_task(scheduler.batched("verify", ["queued"]))
+            await asyncio.sleep(0.01)
+            second = asyncio.create_task(scheduler.batched("verify", ["later"]))  # work is queued: no inline
+        return await first, await second
+
+    assert run(main()) == (["queued"], ["later"])
+    assert order == ["bad", "queued", "later"]
+
+
+def test_inline_off_when_the_predicate_says_so() -> None:
+    threads: list[str] = []
+
+    def verify(groups):
+        threads.append(threading.current_thread().name)
+        return [list(g) for g in groups]
+
+    async def main():
+        scheduler = verify_scheduler(verify, inline=lambda: False)
+        await scheduler.batched("verify", [1])
+
+    run(main())
+    assert threads[0].startswith("engine")

