@@ -130,7 +130,7 @@ profile)
   python3 -m bench.round_profile --target "/tmp/models/${TARGET_SHAPE:-70b}.gguf" \
     --draft "/tmp/models/${DRAFT_SHAPE:-1b}.gguf" --target-flags "$GPU_FLAGS --n-threads 4 ${INLINE:-}" \
     --draft-flags "$GPU_FLAGS --n-threads 4 ${INLINE:-}" \
-    --py-spy /tmp/site/bin/py-spy ${PROFILE_ARGS:-} --out "$OUT/profile-${TARGET_SHAPE:-70b}-${LABEL:-now}" 2>&1
+    ${PYSPY:+--py-spy /tmp/site/bin/py-spy} ${PROFILE_ARGS:-} --out "$OUT/profile-${TARGET_SHAPE:-70b}-${LABEL:-now}" 2>&1
   rm -f "$OUT"/profile-*/*.gguf
   ;;
 synth-bench)
