@@ -235,8 +235,10 @@ def split_round(before: dict, after: dict, replies: list[dict]) -> dict[str, flo
     n_calls = max(calls("handoff.queue"), 1)
     row["hop_to_engine_us"] = total("handoff.queue") / n_calls
     row["hop_to_loop_us"] = total("handoff.wake") / max(calls("handoff.wake"), 1)
-    steps = max(calls("handoff.batch_step"), 1)
-    row["scheduler_py_us"] = (total("handoff.batch_step") - total("propose.step") - total("verify.step")) / steps
+    # Steps on the engine thread only (inline steps have no scheduler loop around them).
+    steps = calls("handoff.batch_step")
+    threaded_step_us = total("handoff.batch_step") - total("propose.step") - total("verify.step") if steps else 0.0
+    row["scheduler_py_us"] = threaded_step_us / steps if steps else 0.0
     row["gateway_us"] = round_us - (total("propose.handler") + total("verify.handler")) / rounds
     compute = row["propose_forward_us"] + row["verify_forward_us"]
     row["overhead_us"] = round_us - compute
