@@ -11,17 +11,11 @@ gRPC handlers do not call the engine themselves. They submit work here and await
 Scheduling and every step run on the EngineWorker's single thread; futures are resolved on the event loop.
 
 Single-stream fast path (`inline`): a call goes to the engine thread and its answer comes back to the event loop,
-two thread hand-offs that cost 0.1-0.4 ms a call (0.34-0.43 ms on the H200 host, measured with
-bench.round_profile): a tenth of a 70B round's time, for Propose and Verify together. When the `inline` predicate
-says so (one active session) and the engine is idle with nothing queued, a batched call runs its step at once on the
-calling thread instead. There is nothing to batch it with, and the engine lock keeps llama.cpp single-entry. Other
-work waits at most that one step, and batching resumes as soon as a second session is active.
-
-Gathering: the calls a step answers come back at slightly different times (each goes through the gateway and its
-next draft first). Started at the first arrival, the next step would carry one session and the rest would queue
-behind it, so steps alternate between 1 and n-1 sessions and batching gains little (measured: 1+7 steps of 20 + 94 ms
-for 8 streams on the CPU). So a step whose callers have not all come back waits for them briefly: at most
-`gather_ratio` of the last step's time and `max_gather_s`, whichever is shorter.
+two thread hand-offs that cost 0.1-0.4 ms a call (0.31-0.44 ms on the H200 host, measured with
+bench.round_profile): a tenth of a 70B round's time, for Propose and Verify together. When the `inline` predicate says
+so for the call's items (one active session) and the engine is idle with nothing queued, a batched call runs its step
+at once on the calling thread instead. There is nothing to batch it with, and the engine lock keeps llama.cpp
+single-entry. Other work waits at most that one step, and batching resumes as soon as a second session is active.
 """
 
 from __future__ import annotations
@@ -145,7 +139,7 @@ class StepScheduler:
         max_groups: int = 64,
         max_gather_s: float = 0.02,
         gather_ratio: float = 0.5,
-        inline: Callable[[], bool] | None = None,
+        inline: Callable[[Sequence[Any]], bool] | None = None,
     ) -> None:
         self.worker = worker
         self.inline = inline
@@ -179,7 +173,11 @@ class StepScheduler:
     async def batched(self, kind: str, items: Sequence[Any]) -> list[Any]:
         """Results for `items` (one call's group), computed in the next step together with other calls' groups."""
         entry = self._kinds[kind]
-        if self.inline is not None and self.inline():
+        if self.inline is not None and self.inline(items):
+            # One pass of the event loop first: an inline call never suspends, so without it a stream of them would
+            # starve the loop (no I/O, no other request, and a client's disconnect would cancel nothing until the
+            # generation ends).
+            await asyncio.sleep(0)
             outcome = self._inline_step(entry, items)
             if isinstance(outcome, BaseException):
                 raise outcome

@@ -38,8 +38,11 @@ def colocated(service_tmp: Path) -> Iterator[Service]:
     """Target and a same-model draft in one process, flash attention on (batch rows then round like single tokens,
     see test_lossless_e2e), overlapped drafting on. No prefix cache: a prompt whose prefix is reused is prefilled in
     other chunks than a cold one, which moves logits by an ulp (on this model, one of these prompts then flips a
-    near-tie between its target-only run and its speculative run, with separate services just the same)."""
+    near-tie between its target-only run and its speculative run, with separate services just the same).
+    Single-stream inline steps forced on (a CPU model has them off by default): a request alone runs its steps on the
+    event loop, except a Verify sent while the draft drafts ahead, which goes to the target's engine thread."""
     common = {"n_threads": THREADS, "flash_attn": "on", "max_sessions": "8", "n_ctx": "8192", "prefix_cache": "false"}
+    common["single_stream_inline"] = "on"
     gateway = start_colocated_gateway(service_tmp, common, {**common, "drafter": "model"}, "--overlap-draft")
     yield gateway
     gateway.stop()
@@ -61,18 +64,21 @@ def _chat(gateway: Service, prompt: str, n_max: int, **extra) -> dict:
 
 
 def test_colocated_speculation_is_lossless(colocated: Service) -> None:
-    """Four requests at a time, same-model draft: every text and logprob equals target-only decoding, every draft
-    token is accepted, and drafting overlapped verification."""
+    """One request at a time (inline steps) and four at a time (batched steps), same-model draft: every text and
+    logprob equals target-only decoding, every draft token is accepted, and drafting overlapped verification."""
     plain = [_chat(colocated, p, n_max=0) for p in PROMPTS]
+    alone = [_chat(colocated, p, n_max=4) for p in PROMPTS]
     with ThreadPoolExecutor(max_workers=4) as pool:
-        spec = list(pool.map(lambda p: _chat(colocated, p, n_max=4), PROMPTS))
-    for prompt, a, b in zip(PROMPTS, plain, spec, strict=True):
-        assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"], prompt
-        got = [t["logprob"] for t in b["choices"][0]["logprobs"]["content"]]
-        assert got == [t["logprob"] for t in a["choices"][0]["logprobs"]["content"]], prompt
-    drafted = sum(s["timings"]["draft_n"] for s in spec)
-    assert drafted > 0 and sum(s["timings"]["draft_n_accepted"] for s in spec) == drafted
-    assert sum(s["timings"]["overlapped_rounds"] for s in spec) > 0
+        together = list(pool.map(lambda p: _chat(colocated, p, n_max=4), PROMPTS))
+    for spec in (alone, together):
+        for prompt, a, b in zip(PROMPTS, plain, spec, strict=True):
+            assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"], prompt
+            got = [t["logprob"] for t in b["choices"][0]["logprobs"]["content"]]
+            assert got == [t["logprob"] for t in a["choices"][0]["logprobs"]["content"]], prompt
+        drafted = sum(s["timings"]["draft_n"] for s in spec)
+        assert drafted > 0 and sum(s["timings"]["draft_n_accepted"] for s in spec) == drafted
+        assert sum(s["timings"]["overlapped_rounds"] for s in spec) > 0
+    spec = together
     # No transport: the gateway's view of a Verify call is the service's own time plus microseconds.
     t = spec[0]["timings"]
     assert t["verify_rpc_ms"] - t["verify_service_ms"] < 0.5 * t["verify_calls"]

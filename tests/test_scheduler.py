@@ -274,7 +274,7 @@ def test_a_single_stream_call_runs_inline_on_the_calling_thread() -> None:
         return [[x + 1 for x in g] for g in groups]
 
     async def main():
-        scheduler = verify_scheduler(verify, inline=lambda: True)
+        scheduler = verify_scheduler(verify, inline=lambda _: True)
         first = await scheduler.batched("verify", [1])
         async with engine_busy(scheduler):  # the engine thread is busy: the call queues and runs there
             queued = asyncio.create_task(scheduler.batched("verify", [2]))
@@ -297,7 +297,7 @@ def test_inline_calls_keep_their_errors_and_do_not_overtake_queued_calls() -> No
         return out
 
     async def main():
-        scheduler = verify_scheduler(verify, inline=lambda: True)
+        scheduler = verify_scheduler(verify, inline=lambda _: True)
         with pytest.raises(InvalidArgument):
             await scheduler.batched("verify", ["bad"])
         async with engine_busy(scheduler):
@@ -318,8 +318,19 @@ def test_inline_off_when_the_predicate_says_so() -> None:
         return [list(g) for g in groups]
 
     async def main():
-        scheduler = verify_scheduler(verify, inline=lambda: False)
+        scheduler = verify_scheduler(verify, inline=lambda _: False)
         await scheduler.batched("verify", [1])
 
     run(main())
     assert threads[0].startswith("engine")
+
+
+def test_single_stream_inline_setting() -> None:
+    """auto: inline for a GPU model and for the n-gram drafter (no model), not for a CPU model; on/off force it."""
+    from tandem.config import DraftSettings, TargetSettings
+
+    auto = TargetSettings()
+    assert auto.inline_steps("CUDA") and auto.inline_steps("Vulkan") and not auto.inline_steps("CPU")
+    assert DraftSettings().inline_steps(None)
+    assert TargetSettings(single_stream_inline="on").inline_steps("CPU")
+    assert not TargetSettings(single_stream_inline="off").inline_steps("CUDA")

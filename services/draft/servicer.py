@@ -40,7 +40,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         """
         inline = None
         if inline_steps:
-            inline = (lambda: True) if engine is None else (lambda: len(service.store) <= 1)
+            inline = (lambda _: True) if engine is None else (lambda _: len(service.store) <= 1)
         scheduler = StepScheduler(
             self.worker,
             before_step=service.reclaim,

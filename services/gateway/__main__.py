@@ -38,14 +38,10 @@ def colocated_models(settings: GatewaySettings, configure_target: Callable[[Any]
     target = TargetSettings()
     draft = None if settings.local_ngram or not settings.draft else DraftSettings()
     pin_colocated(*(m for m in (target, draft) if m is not None))
-    if draft is not None and settings.overlap_draft:
-        # Overlapped drafting runs the draft while the target verifies; a target step run inline on the event loop
-        # would hold the draft back until it ends. The draft's own steps may still run inline.
-        target.single_stream_inline = "off"
     import tandem.engine  # noqa: F401
     from services.gateway.app import Colocated
 
-    return Colocated(target, draft, configure_target)
+    return Colocated(target, draft, configure_target, overlap=settings.overlap_draft)
 
 
 if __name__ == "__main__":

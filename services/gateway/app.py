@@ -37,6 +37,7 @@ class Colocated:
     target: TargetSettings
     draft: DraftSettings | None
     configure_target: Callable[[Any], None] | None = None  # benchmarks only (bench.synthetic_target)
+    overlap: bool = False  # the gateway drafts ahead (--overlap-draft)
 
 
 KNOWN_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models"}
@@ -132,7 +133,9 @@ def create_app(settings: GatewaySettings | None = None, colocated: Colocated | N
                 if colocated is not None:
                     from services.gateway.colocated import start_colocated
 
-                    upstreams = await start_colocated(colocated.target, colocated.draft, colocated.configure_target)
+                    upstreams = await start_colocated(
+                        colocated.target, colocated.draft, colocated.configure_target, colocated.overlap
+                    )
                 else:
                     security = ChannelSecurity(
                         settings.upstream_tls_ca,

@@ -132,8 +132,12 @@ async def start_colocated(
     target_settings: TargetSettings,
     draft_settings: DraftSettings | None,
     configure_target: Callable[[Any], None] | None = None,
+    overlap: bool = False,
 ) -> ColocatedUpstreams:
     """Load the target (and the draft) into this process and return them as the gateway's upstreams.
+
+    With `overlap` (the gateway drafts ahead), a Verify that carries a bonus guess never runs inline on the event
+    loop: the draft's step for the next round runs there meanwhile, and the target's step on its engine thread.
 
     The models must already be pinned (tandem.config.pin_colocated) and llama_cpp imported before grpc and numpy
     (see tandem.cli.service_main); services.gateway.__main__ does both.
@@ -142,6 +146,7 @@ async def start_colocated(
     from services.target.__main__ import build_target
 
     target, target_worker, load_target = build_target(target_settings, configure_target)
+    target.inline_guessed = not overlap
     workers = [target_worker]
     draft = None
     try:

@@ -2,7 +2,8 @@
 
 Starlette's StreamingResponse, under ASGI 2.4 servers (uvicorn), notices a disconnect only at its next write; with
 a slow round (a model draft, a long verify) the sessions would stay busy for that long. This one also listens for
-`http.disconnect` and cancels the body at once, so the generation's cleanup closes both sessions immediately.
+`http.disconnect` and cancels the body at once, then closes the body's generator, so the generation's cleanup closes
+both sessions immediately.
 """
 
 from __future__ import annotations
@@ -19,8 +20,16 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
         async with anyio.create_task_group() as group:
 
             async def body() -> None:
-                with contextlib.suppress(OSError):  # the client went away between two writes
-                    await self.stream_response(send)
+                try:
+                    with contextlib.suppress(OSError):  # the client went away between two writes
+                        await self.stream_response(send)
+                finally:
+                    # A cancellation that lands on a write (outside the generator) leaves the generator suspended
+                    # until the garbage collector finds it, its sessions open; close it now, whatever was awaited.
+                    close = getattr(self.body_iterator, "aclose", None)
+                    if close is not None:
+                        with anyio.CancelScope(shield=True):
+                            await close()
                 group.cancel_scope.cancel()
 
             async def watch() -> None:

@@ -33,6 +33,9 @@ class TargetServicer(pb_grpc.TargetServicer):
         self.verifier: Verifier | None = None
         self.scheduler: StepScheduler | None = None
         self._background: set[asyncio.Task] = set()
+        #: Whether a Verify carrying a bonus guess may run inline. Such a call means the draft is drafting ahead
+        #: meanwhile; in one process (co-located) that draft must not wait behind a target step on the event loop.
+        self.inline_guessed = True
 
     def attach(
         self, verifier: Verifier, max_batch: int = 64, batch_wait_ms: float = 20.0, inline_steps: bool = False
@@ -43,11 +46,19 @@ class TargetServicer(pb_grpc.TargetServicer):
             before_step=verifier.reclaim,
             max_groups=max_batch,
             max_gather_s=batch_wait_ms / 1e3,
-            inline=(lambda: len(verifier.store) <= 1) if inline_steps else None,
+            inline=self._inline_for(verifier) if inline_steps else None,
         )
         scheduler.register("verify", verifier.verify_groups)
         self.scheduler = scheduler
         self.verifier = verifier
+
+    def _inline_for(self, verifier: Verifier):
+        def inline(specs) -> bool:
+            if len(verifier.store) > 1:
+                return False
+            return self.inline_guessed or all(spec.bonus_guess is None for spec in specs)
+
+        return inline
 
     async def expire_idle(self) -> None:
         if self.verifier is not None and self.scheduler is not None:
