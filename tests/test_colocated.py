@@ -247,3 +247,29 @@ def test_stack_colocate_runs_in_one_process(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
     assert proc.returncode == 0, log.read_text()[-2000:]
+
+
+def test_local_call_continues_the_callers_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a trace to continue, an in-process call opens a server span under the caller's span, as a service would;
+    without one (tracing off), it opens none."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    import services.gateway.colocated as colocated_module
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(colocated_module, "tracer", lambda: provider.get_tracer("test"))
+
+    async def echo(request, context):
+        return request
+
+    caller = provider.get_tracer("test").start_span("verify")
+    assert asyncio.run(invoke(echo, "traced", 5.0, "/tandem.v1.Target/Verify", trace.set_span_in_context(caller)))
+    assert asyncio.run(invoke(echo, "untraced", 5.0, "/tandem.v1.Target/Verify", None)) == "untraced"
+    (server,) = exporter.get_finished_spans()
+    assert server.name == "/tandem.v1.Target/Verify" and server.kind == trace.SpanKind.SERVER
+    assert server.parent.span_id == caller.get_span_context().span_id

@@ -21,7 +21,8 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
-from opentelemetry import propagate
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
 from services.gateway.streams import upstream_error
@@ -53,17 +54,26 @@ async def invoke(
     handler: Callable[[Any, Any], Awaitable[Any]], request: Any, timeout: float | None, name: str, parent
 ) -> Any:
     """Call a servicer method as the gRPC server would: a server span, the call's deadline, and the error mapping
-    of tandem.grpc_server.ErrorInterceptor, raised as the AioRpcError a remote call would raise."""
+    of tandem.grpc_server.ErrorInterceptor, raised as the AioRpcError a remote call would raise.
+
+    Without a trace to continue (tracing off, or a call sent without context) there is no span: making a no-op one
+    cost ~4% of the gateway's time a round (py-spy)."""
+    if not trace.get_current_span(parent).get_span_context().is_valid:
+        return await _call(handler, request, timeout, name, trace.INVALID_SPAN)
     with tracer().start_as_current_span(name, context=parent, kind=SpanKind.SERVER) as span:
-        try:
-            async with asyncio.timeout(timeout):
-                return await handler(request, _CONTEXT)
-        except TimeoutError:
-            raise upstream_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no answer in {timeout} s") from None
-        except grpc.aio.AioRpcError:
-            raise
-        except Exception as exc:
-            raise upstream_error(*error_status(exc, name, span)) from None
+        return await _call(handler, request, timeout, name, span)
+
+
+async def _call(handler: Callable[[Any, Any], Awaitable[Any]], request: Any, timeout: float | None, name: str, span):
+    try:
+        async with asyncio.timeout(timeout):
+            return await handler(request, _CONTEXT)
+    except TimeoutError:
+        raise upstream_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no answer in {timeout} s") from None
+    except grpc.aio.AioRpcError:
+        raise
+    except Exception as exc:
+        raise upstream_error(*error_status(exc, name, span)) from None
 
 
 class LocalStub:
@@ -91,7 +101,8 @@ class LocalMux:
         self.name = name
 
     async def call(self, request: Any, timeout: float) -> Any:
-        parent = propagate.extract(dict(request.trace_context))
+        carrier = request.trace_context
+        parent = propagate.extract(dict(carrier)) if carrier else otel_context.Context()
         return await invoke(self._handler, request, timeout, self.name, parent)
 
     async def close(self) -> None:

@@ -188,7 +188,10 @@ class Generation:
         )
 
     def _child(self, name: str, parent: trace.Span | None = None) -> trace.Span:
-        return tracer().start_span(name, context=trace.set_span_in_context(parent or self._span))
+        parent = parent or self._span
+        if not parent.is_recording():  # tracing off (or this trace not sampled): a child would be a no-op too
+            return trace.INVALID_SPAN
+        return tracer().start_span(name, context=trace.set_span_in_context(parent))
 
     def _sampling_pb(self) -> pb.SamplingParams:
         s = self.req.sampling
