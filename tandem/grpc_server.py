@@ -185,6 +185,7 @@ class EngineWorker:
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.closed = False  # shut down: no more engine work, on its thread or inline on another
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -194,6 +195,7 @@ class EngineWorker:
         self._pool.submit(fn)
 
     def shutdown(self) -> None:
+        self.closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 

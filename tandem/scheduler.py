@@ -173,11 +173,13 @@ class StepScheduler:
     async def batched(self, kind: str, items: Sequence[Any]) -> list[Any]:
         """Results for `items` (one call's group), computed in the next step together with other calls' groups."""
         entry = self._kinds[kind]
-        if self.inline is not None and self.inline(items):
-            # One pass of the event loop first: an inline call never suspends, so without it a stream of them would
-            # starve the loop (no I/O, no other request, and a client's disconnect would cancel nothing until the
-            # generation ends).
+        if self.inline is not None:
+            # One pass of the event loop first, for every call: an inline call never suspends, so without it a stream
+            # of them would starve the loop (no I/O, no other request, and a client's disconnect would cancel nothing
+            # until the generation ends). Deciding after it, in the order calls resume, also keeps a session's calls
+            # in order: a later call can neither run inline before nor queue ahead of an earlier one.
             await asyncio.sleep(0)
+        if self.inline is not None and self.inline(items):
             outcome = self._inline_step(entry, items)
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -191,7 +193,7 @@ class StepScheduler:
     def _inline_step(self, kind: _Kind, items: Sequence[Any]) -> GroupOutcome | None:
         """The step for one call, on the calling thread, if the engine is idle with nothing queued (else None)."""
         with self._cond:
-            if self._has_work() or not self._engine_lock.acquire(blocking=False):
+            if self.worker.closed or self._has_work() or not self._engine_lock.acquire(blocking=False):
                 return None
         try:
             (outcome,) = self._run_step(kind, [items])

@@ -286,28 +286,73 @@ def test_a_single_stream_call_runs_inline_on_the_calling_thread() -> None:
     assert threads[1].startswith("engine")
 
 
-def test_inline_calls_keep_their_errors_and_do_not_overtake_queued_calls() -> None:
+def test_inline_calls_keep_their_errors_and_do_not_overtake_a_running_step() -> None:
+    """A call eligible for inline while the engine thread is inside a step (engine lock held, queue empty) queues and
+    runs after it; an inline call's error is raised to its caller."""
     order: list[str] = []
+    threads: dict[str, str] = {}
+    gate = threading.Event()
 
     def verify(groups):
         out = []
         for g in groups:
+            if g[0] == "slow":
+                gate.wait(5)
             order.append(g[0])
+            threads[g[0]] = threading.current_thread().name
             out.append(InvalidArgument("bad") if g[0] == "bad" else list(g))
         return out
 
     async def main():
-        scheduler = verify_scheduler(verify, inline=lambda _: True)
+        scheduler = verify_scheduler(verify, inline=lambda items: items[0] != "slow")
         with pytest.raises(InvalidArgument):
             await scheduler.batched("verify", ["bad"])
-        async with engine_busy(scheduler):
-            first = asyncio.create_task(scheduler.batched("verify", ["queued"]))
-            await asyncio.sleep(0.01)
-            second = asyncio.create_task(scheduler.batched("verify", ["later"]))  # work is queued: no inline
+        slow = asyncio.create_task(scheduler.batched("verify", ["slow"]))  # to the engine thread, where it blocks
+        await asyncio.sleep(0.05)
+        fast = asyncio.create_task(scheduler.batched("verify", ["fast"]))  # eligible, but the engine is busy
+        await asyncio.sleep(0.05)
+        gate.set()
+        return await slow, await fast
+
+    assert run(main()) == (["slow"], ["fast"])
+    assert order == ["bad", "slow", "fast"]
+    assert threads["bad"] == threading.main_thread().name
+    assert threads["slow"].startswith("engine") and threads["fast"].startswith("engine")
+
+
+def test_calls_of_one_session_keep_their_order_whichever_path_they_take() -> None:
+    """Two calls sent back to back, the first eligible for inline and the second not: the first still runs first."""
+    order: list[str] = []
+
+    def verify(groups):
+        order.extend(g[0] for g in groups)
+        return [list(g) for g in groups]
+
+    async def main():
+        scheduler = verify_scheduler(verify, inline=lambda items: items[0] == "first")
+        first = asyncio.create_task(scheduler.batched("verify", ["first"]))
+        second = asyncio.create_task(scheduler.batched("verify", ["second"]))
         return await first, await second
 
-    assert run(main()) == (["queued"], ["later"])
-    assert order == ["bad", "queued", "later"]
+    assert run(main()) == (["first"], ["second"])
+    assert order == ["first", "second"]
+
+
+def test_no_inline_step_after_shutdown() -> None:
+    ran: list[str] = []
+
+    def verify(groups):
+        ran.append("step")
+        return [list(g) for g in groups]
+
+    async def main():
+        scheduler = verify_scheduler(verify, inline=lambda _: True)
+        scheduler.worker.shutdown()
+        with pytest.raises(RuntimeError):
+            await scheduler.batched("verify", [1])
+
+    run(main())
+    assert ran == []
 
 
 def test_inline_off_when_the_predicate_says_so() -> None:

@@ -9,10 +9,13 @@ both sessions immediately.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import anyio
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
+
+log = logging.getLogger(__name__)
 
 
 class DisconnectAwareStreamingResponse(StreamingResponse):
@@ -29,7 +32,10 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
                     close = getattr(self.body_iterator, "aclose", None)
                     if close is not None:
                         with anyio.CancelScope(shield=True):
-                            await close()
+                            try:
+                                await close()
+                            except Exception:  # its cleanup failed: log it, and still end the response
+                                log.warning("closing a cancelled stream failed", exc_info=True)
                 group.cancel_scope.cancel()
 
             async def watch() -> None:
