@@ -134,7 +134,7 @@ async def batching(
     async with httpx.AsyncClient() as client:
         for mode, spec in (
             ("target-only", {"speculative.n_max": 0}),
-            ("n-gram k=4", {"speculative.n_max": 4}),
+            ("n-gram adaptive k<=4", {"speculative.n_max": 4}),  # adaptive k is the default policy
         ):
             samples: dict[tuple[str, int], list[float]] = {}
             same: dict[str, list[bool]] = {"on": [], "off": []}
@@ -176,8 +176,9 @@ async def load_adaptation(stacks: Stacks, threads: str, max_tokens: int, rounds:
     prompts = SHORT_PROMPTS[:PROMPTS_PER_STREAM]
     log("starting the load-adaptation stack ...")
     url = ngram_stack(stacks, threads, [])
-    modes = (("fixed k=8", {"speculative.n_max": 8}), ("adaptive k<=8", {"speculative.n_max": 8,
-             "speculative.adaptive": True}))  # fmt: skip
+    # Adaptive k is on by default: the fixed row must turn it off, or both rows measure the same policy.
+    modes = (("fixed k=8", {"speculative.n_max": 8, "speculative.adaptive": False}), ("adaptive k<=8",
+             {"speculative.n_max": 8, "speculative.adaptive": True}))  # fmt: skip
     samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
     async with httpx.AsyncClient() as client:
         for r in range(rounds):
