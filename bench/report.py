@@ -105,7 +105,10 @@ def plots(out: Path, rows: list[dict]) -> list[Path]:
     ax.set_ylabel("P(accepted | reached)")
     ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance by draft position (mean over workloads)")
-    ax.legend(fontsize=7)
+    if ax.get_lines():  # a run without drafts (target-only rows only) has nothing to label
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no drafted tokens in this run", ha="center", transform=ax.transAxes)
     fig.tight_layout()
     path = out / "acceptance_by_position.png"
     fig.savefig(path, dpi=120)
