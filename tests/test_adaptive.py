@@ -80,6 +80,49 @@ def test_policy_stops_drafting_when_it_does_not_pay_and_probes_later() -> None:
     assert choices[-1] == 1  # one short probe so the request can resume drafting if the text changes
 
 
+def test_drafting_can_pay_only_when_a_draft_token_costs_less_than_the_fixed_step() -> None:
+    costs = costs_with(6.0, 3.5, overhead_ms=1.0)  # the 2-core CPU's SmolLM2 target: 6 ms + 1 ms amortisable
+    assert costs.drafting_can_pay() is None  # no draft measured yet (or a model-free drafter)
+    costs.observe_draft(4, int(4 * 9e6))  # a same-size draft: 9 ms a token
+    assert costs.drafting_can_pay() is False
+    # Even at full acceptance no k beats plain decoding, which is what the rule claims.
+    assert all((k + 1) / costs.round_ns(k) < 1 / costs.round_ns(0) for k in range(1, 33))
+    cheap = costs_with(20.0, 1.0)
+    cheap.observe_draft(4, int(4 * 1.5e6))  # a 1B draft beside a 70B target
+    assert cheap.drafting_can_pay() is True
+    assert (4 + 1) / cheap.round_ns(4) > 1 / cheap.round_ns(0)
+    # Shared by 8 sessions, the fixed cost per session falls below the draft's: drafting stops paying.
+    loaded = costs_with(20.0, 1.0, sequences=8)
+    loaded.observe_draft(4, int(4 * 3e6))
+    assert loaded.drafting_can_pay() is False
+
+
+def test_policy_probes_once_then_stops_when_drafting_cannot_pay() -> None:
+    costs = costs_with(6.0, 3.5, overhead_ms=1.0)
+    costs.observe_draft(4, int(4 * 9e6))
+    policy = DraftLengthPolicy(costs, n_min=0, n_max=8, stop_when_futile=True)
+    for _ in range(50):
+        policy.tracker.observe(8, 8)  # even a request whose every draft was accepted
+    assert policy.choose(cap=100) == 1 and not policy.futile  # one short probe measures the draft again
+    assert policy.choose(cap=100) == 0 and policy.futile
+    # Without the rule (drafting overlapped with verification) the same costs only pause it, with probes.
+    paused = DraftLengthPolicy(costs, n_min=0, n_max=8)
+    assert [paused.choose(cap=100) for _ in range(PROBE_EVERY)][-1] == 1 and not paused.futile
+
+
+def test_policy_recovers_when_the_probe_finds_the_draft_cheap_again() -> None:
+    costs = costs_with(20.0, 1.0)
+    costs.observe_draft(1, int(30e6))  # stale: the draft's device was busy
+    policy = DraftLengthPolicy(costs, n_min=0, n_max=8, stop_when_futile=True)
+    for _ in range(50):
+        policy.tracker.observe(8, 8)
+    assert policy.choose(cap=100) == 1
+    for _ in range(40):  # the probe and other requests measure 1.5 ms a token
+        costs.observe_draft(4, int(4 * 1.5e6))
+    assert costs.drafting_can_pay() is True
+    assert policy.choose(cap=100) == 8 and not policy.futile
+
+
 def test_policy_drafts_less_when_a_step_is_shared_by_many_sessions() -> None:
     alone = DraftLengthPolicy(costs_with(20.0, 2.0, sequences=1), n_min=0, n_max=8)
     loaded = DraftLengthPolicy(costs_with(20.0, 2.0, sequences=8), n_min=0, n_max=8)

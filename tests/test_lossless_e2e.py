@@ -14,6 +14,7 @@ The draft is the target model itself, so every disagreement is a numerical effec
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -308,3 +309,46 @@ def test_ngram_requests_default_to_long_drafts(exact_local_gateway: Service) -> 
     body = {"messages": [{"role": "user", "content": PROMPTS[9]}], "max_tokens": MAX_TOKENS, "temperature": 0}
     reply = httpx.post(f"{exact_local_gateway.address}/v1/chat/completions", json=body, timeout=600).json()
     assert len(reply["timings"]["drafts_per_position"]) > 8
+
+
+def test_adaptive_k_stops_a_draft_that_cannot_pay(exact_target: Service, exact_draft: Service) -> None:
+    """Adaptive k with costs that say a draft token costs more than drafting can save: the request drafts one
+    probe round, then decodes target-only (`speculation: "stopped"`), with the target-only text token for token
+    (the exact services: no prefix cache, whose chunking of a repeated prompt moves logits by an ulp). With a cheap
+    draft, the same request keeps drafting."""
+    target, model_draft = exact_target, exact_draft
+    from services.gateway.adaptive import CostModel
+    from services.gateway.speculative import Generation, GenerationRequest
+    from services.gateway.upstream import connect
+    from tandem.sampling import SamplingParams
+
+    def seeded(fixed_ms: float, draft_ms: float) -> CostModel:
+        costs = CostModel()
+        for tokens in (1, 5) * 10:  # a target line: fixed_ms + 3 ms a token
+            costs.observe_verify(tokens, 1, int((fixed_ms + 3.0 * tokens) * 1e6))
+        costs.observe_draft(1, int(draft_ms * 1e6))
+        return costs
+
+    async def main() -> dict[str, tuple[list[int], dict]]:
+        up = await connect(target.address, model_draft.address, 60.0)
+        try:
+            reply = await up.target.Tokenize(pb.TokenizeRequest(text=PROMPTS[0], add_special=True), timeout=60)
+            runs = {}
+            for name, n_max, costs in (
+                ("target-only", 0, CostModel()),
+                ("draft too dear", N_MAX, seeded(fixed_ms=5.0, draft_ms=1e6)),
+                ("draft cheap", N_MAX, seeded(fixed_ms=1e6, draft_ms=0.001)),
+            ):
+                request = GenerationRequest(list(reply.token_ids), SamplingParams(temperature=0.0), 48, n_max)
+                generation = Generation(up, request, 60.0, costs=costs, overlap=False)
+                runs[name] = ([t.id async for t in generation.tokens()], generation.stats.timings())
+            return runs
+        finally:
+            await up.close()
+
+    runs = asyncio.run(main())
+    plain, stopped, cheap = runs["target-only"], runs["draft too dear"], runs["draft cheap"]
+    assert stopped[0] == plain[0] and len(plain[0]) == 48
+    assert stopped[1]["speculation"] == "stopped"
+    assert stopped[1]["rounds"] == 1 and stopped[1]["draft_n"] == 1  # the one probe, then no draft
+    assert cheap[1]["speculation"] == "on" and cheap[1]["rounds"] > 1

@@ -77,7 +77,7 @@ class GenerationStats:
     verify_forward_ns: int = 0  # time inside the target's forward passes
     draft_service_ns: int = 0  # wall time of Propose calls inside the draft service (the rest of draft_ns is gRPC)
     verify_service_ns: int = 0  # wall time of Verify calls inside the target service
-    speculation: str = "off"  # off | on | degraded (draft failed mid-request)
+    speculation: str = "off"  # off | on | degraded (draft failed mid-request) | stopped (drafting cannot pay here)
     synthetic_acceptance: str = ""  # benchmark targets only: acceptance is imposed, the text is not valid
     k_chosen: int = 0  # sum of the draft lengths asked for, over rounds (adaptive k)
     k_rounds: int = 0
@@ -182,7 +182,10 @@ class Generation:
             MatchLengthPolicy(self.costs, request.n_min) if request.adaptive and self._local is not None else None
         )
         self.policy = (
-            DraftLengthPolicy(self.costs, request.n_min, request.n_max, self.acceptance)
+            # Overlapped, the draft's time hides behind verification, so its cost alone cannot rule drafting out.
+            DraftLengthPolicy(
+                self.costs, request.n_min, request.n_max, self.acceptance, stop_when_futile=not self._overlap
+            )
             if request.adaptive and self.match_policy is None
             else None
         )
@@ -206,6 +209,16 @@ class Generation:
         self.stats.speculation = "degraded"
         if self.metrics:
             self.metrics.degraded.inc()
+
+    def _stop_drafting(self) -> None:
+        """Adaptive k found that no draft length can pay here: the rest is target-only decoding, pipelined."""
+        log.info(
+            "speculation stopped for session %s: a draft token costs %.2f ms, more than drafting can save per round",
+            self.session_id,
+            self.costs.draft_token_ns / 1e6,
+        )
+        self._use_draft = False
+        self.stats.speculation = "stopped"
 
     async def _open(self) -> pb.OpenResult:
         item = pb.OpenItem(
@@ -285,6 +298,9 @@ class Generation:
                         yield token
                     return
                 k = self._choose_k()
+                if self.policy is not None and self.policy.futile:
+                    self._stop_drafting()
+                    continue
                 round_span = self._child("round")
                 round_start = time.perf_counter_ns()
                 ahead: asyncio.Task | None = None
