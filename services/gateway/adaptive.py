@@ -33,6 +33,9 @@ class CostModel:
 
     # Exponentially weighted least squares of forward_ns against step tokens: sums of w, x, y, xx, xy.
     _s: list[float] = field(default_factory=lambda: [0.0] * 5)
+    # The slope last identified. Kept while recent steps all have one size (a stretch of plain decoding says
+    # nothing about it): without it, a request that stopped drafting would leave the next one exploring again.
+    _slope: float | None = None
     overhead_ns: float | None = None
     draft_token_ns: float = 0.0
     sequences: float = 1.0  # mean sessions per target step
@@ -43,6 +46,10 @@ class CostModel:
         x, y = float(step_tokens), float(forward_ns)
         self._s = [v * (1 - EMA) + d for v, d in zip(self._s, (1.0, x, y, x * x, x * y), strict=True)]
         self.sequences += EMA * (max(step_sequences, 1) - self.sequences)
+        w, x, y, xx, xy = self._s
+        var = xx / w - (x / w) ** 2
+        if var >= 0.25:  # at least two step sizes in the window: the slope is identified
+            self._slope = (xy / w - (x / w) * (y / w)) / var
 
     def observe_draft(self, tokens: int, forward_ns: int) -> None:
         if tokens > 0:
@@ -53,16 +60,15 @@ class CostModel:
         self.overhead_ns = ns if self.overhead_ns is None else self.overhead_ns + EMA * (ns - self.overhead_ns)
 
     def line(self) -> tuple[float, float] | None:
-        """(fixed ns, ns per token) of a target forward pass, or None until two different step sizes were seen."""
-        w, x, y, xx, xy = self._s
-        if w <= 0:
+        """(fixed ns, ns per token) of a target forward pass, or None until two different step sizes were seen.
+
+        The fixed cost follows the recent steps (through their means); the slope is the last one identified.
+        """
+        w, x, y, _, _ = self._s
+        if w <= 0 or self._slope is None:
             return None
-        var = xx / w - (x / w) ** 2
-        if var < 0.25:  # all steps had (nearly) the same size: the slope is not identified yet
-            return None
-        slope = (xy / w - (x / w) * (y / w)) / var
         mean_y, mean_x = y / w, x / w
-        slope = min(max(slope, 0.0), mean_y / mean_x)  # keep it physical: 0 <= slope, fixed cost >= 0
+        slope = min(max(self._slope, 0.0), mean_y / mean_x)  # keep it physical: 0 <= slope, fixed cost >= 0
         return mean_y - slope * mean_x, slope
 
     def drafting_can_pay(self) -> bool | None:
