@@ -110,8 +110,12 @@ def test_drafting_can_pay_only_when_a_draft_token_costs_less_than_the_fixed_step
     assert (4 + 1) / cheap.round_ns(4) > 1 / cheap.round_ns(0)
     # Shared by 8 sessions, the fixed cost per session falls below the draft's: drafting stops paying.
     loaded = costs_with(20.0, 1.0, sequences=8)
-    loaded.observe_draft(4, int(4 * 3e6))
+    loaded.observe_draft(4, int(4 * 4e6))
     assert loaded.drafting_can_pay() is False
+    # Near the line (a draft token a little dearer than the fixed step) the verdict is not clear enough to stop.
+    near = costs_with(6.0, 3.5)
+    near.observe_draft(1, int(6.5e6))
+    assert near.drafting_can_pay() is True
 
 
 def test_policy_probes_once_then_stops_when_drafting_cannot_pay() -> None:

@@ -25,6 +25,7 @@ PRIOR_WEIGHT = 2.0  # ... worth this many observations
 DECAY = 0.97  # per round: the estimate follows the request's recent behaviour (about 30 rounds)
 PROBE_EVERY = 8  # rounds of plain decoding before one probing round with a short draft
 EMA = 0.1
+FUTILE_MARGIN = 1.25  # drafting counts as futile only when a draft token costs 1.25x the amortisable fixed step
 
 
 @dataclass
@@ -86,7 +87,8 @@ class CostModel:
         line = self.line()
         if line is None or self.draft_token_ns <= 0:
             return None
-        return line[0] / max(self.sequences, 1.0) > self.draft_token_ns
+        # Only a clear verdict stops a request: a fitted intercept is noisy, and near the line pausing costs little.
+        return line[0] / max(self.sequences, 1.0) * FUTILE_MARGIN > self.draft_token_ns
 
     def round_ns(self, k: int) -> float | None:
         line = self.line()

@@ -182,9 +182,14 @@ class Generation:
             MatchLengthPolicy(self.costs, request.n_min) if request.adaptive and self._local is not None else None
         )
         self.policy = (
-            # Overlapped, the draft's time hides behind verification, so its cost alone cannot rule drafting out.
+            # Overlapped, the draft's time hides behind verification, so its cost alone cannot rule drafting out; a
+            # model-free drafter's tokens cost next to nothing, so only noise in the fit could.
             DraftLengthPolicy(
-                self.costs, request.n_min, request.n_max, self.acceptance, stop_when_futile=not self._overlap
+                self.costs,
+                request.n_min,
+                request.n_max,
+                self.acceptance,
+                stop_when_futile=not self._overlap and not self._model_free_draft,
             )
             if request.adaptive and self.match_policy is None
             else None
