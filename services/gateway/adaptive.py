@@ -26,6 +26,9 @@ DECAY = 0.97  # per round: the estimate follows the request's recent behaviour (
 PROBE_EVERY = 8  # rounds of plain decoding before one probing round with a short draft
 EMA = 0.1
 FUTILE_MARGIN = 1.25  # drafting counts as futile only when a draft token costs 1.25x the amortisable fixed step
+# The draft's cost is measured only when it drafts, which is rare once requests stop; each measurement then weighs
+# more, so that it is as fresh as the target's, measured every step (on a busy host both slow down together).
+DRAFT_EMA = 0.5
 
 
 @dataclass
@@ -55,7 +58,7 @@ class CostModel:
     def observe_draft(self, tokens: int, forward_ns: int) -> None:
         if tokens > 0:
             per_token = forward_ns / tokens
-            self.draft_token_ns += (per_token - self.draft_token_ns) * (EMA if self.draft_token_ns else 1.0)
+            self.draft_token_ns += (per_token - self.draft_token_ns) * (DRAFT_EMA if self.draft_token_ns else 1.0)
 
     def observe_overhead(self, ns: float) -> None:
         self.overhead_ns = ns if self.overhead_ns is None else self.overhead_ns + EMA * (ns - self.overhead_ns)
