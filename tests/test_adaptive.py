@@ -35,18 +35,21 @@ def test_cost_fit_waits_for_two_step_sizes() -> None:
     assert costs.line() is None and costs.round_ns(3) is None
 
 
-def test_cost_fit_keeps_its_slope_through_plain_decoding() -> None:
-    """A long stretch of one-token steps (a request that stopped drafting) leaves the slope as it was and moves the
-    fixed cost with what those steps cost; before, the fit forgot the line and the next request explored again."""
+def test_cost_fit_remembers_its_slope_through_plain_decoding() -> None:
+    """A long stretch of one-token steps (a request that stopped drafting): choosing k waits for a fresh fit, but
+    the futility test keeps the last slope, with the fixed cost following what those steps cost."""
     costs = costs_with(20.0, 6.0)
     for _ in range(300):
         costs.observe_verify(1, 1, int(26e6))  # one-token steps, costing what the line says
-    fixed, per_token = costs.line()
+    assert costs.line() is None and costs.round_ns(2) is None
+    fixed, per_token = costs.line(remembered=True)
     assert per_token == pytest.approx(6e6, rel=1e-6) and fixed == pytest.approx(20e6, rel=1e-6)
     for _ in range(300):
         costs.observe_verify(1, 1, int(36e6))  # the host got slower
-    fixed, per_token = costs.line()
+    fixed, per_token = costs.line(remembered=True)
     assert fixed + per_token == pytest.approx(36e6, rel=1e-6)  # the fit still predicts the steps it sees
+    costs.observe_draft(1, int(40e6))
+    assert costs.drafting_can_pay() is False
 
 
 def test_expected_tokens_follow_the_per_position_rates() -> None:

@@ -316,7 +316,6 @@ def test_adaptive_k_stops_a_draft_that_cannot_pay(exact_target: Service, exact_d
     probe round, then decodes target-only (`speculation: "stopped"`), with the target-only text token for token
     (the exact services: no prefix cache, whose chunking of a repeated prompt moves logits by an ulp). With a cheap
     draft, the same request keeps drafting."""
-    target, model_draft = exact_target, exact_draft
     from services.gateway.adaptive import CostModel
     from services.gateway.speculative import Generation, GenerationRequest
     from services.gateway.upstream import connect
@@ -330,7 +329,7 @@ def test_adaptive_k_stops_a_draft_that_cannot_pay(exact_target: Service, exact_d
         return costs
 
     async def main() -> dict[str, tuple[list[int], dict]]:
-        up = await connect(target.address, model_draft.address, 60.0)
+        up = await connect(exact_target.address, exact_draft.address, 60.0)
         try:
             reply = await up.target.Tokenize(pb.TokenizeRequest(text=PROMPTS[0], add_special=True), timeout=60)
             runs = {}

@@ -37,8 +37,10 @@ class CostModel:
 
     # Exponentially weighted least squares of forward_ns against step tokens: sums of w, x, y, xx, xy.
     _s: list[float] = field(default_factory=lambda: [0.0] * 5)
-    # The slope last identified. Kept while recent steps all have one size (a stretch of plain decoding says
-    # nothing about it): without it, a request that stopped drafting would leave the next one exploring again.
+    # The slope last identified, for `drafting_can_pay` while recent steps all have one size (a stretch of plain
+    # decoding says nothing about it): without it, a request that stopped drafting would leave the next one
+    # exploring again. Choosing k still waits for a fresh fit: a slope remembered from batched steps under load
+    # kept an n-gram request alone from drafting at all (measured in the test suite).
     _slope: float | None = None
     overhead_ns: float | None = None
     draft_token_ns: float = 0.0
@@ -63,13 +65,14 @@ class CostModel:
     def observe_overhead(self, ns: float) -> None:
         self.overhead_ns = ns if self.overhead_ns is None else self.overhead_ns + EMA * (ns - self.overhead_ns)
 
-    def line(self) -> tuple[float, float] | None:
-        """(fixed ns, ns per token) of a target forward pass, or None until two different step sizes were seen.
+    def line(self, remembered: bool = False) -> tuple[float, float] | None:
+        """(fixed ns, ns per token) of a target forward pass, or None until recent steps had two different sizes.
 
-        The fixed cost follows the recent steps (through their means); the slope is the last one identified.
+        With `remembered`, the last identified slope stands in while they have not; the fixed cost always follows
+        the recent steps (through their means).
         """
-        w, x, y, _, _ = self._s
-        if w <= 0 or self._slope is None:
+        w, x, y, xx, _ = self._s
+        if w <= 0 or self._slope is None or (not remembered and xx / w - (x / w) ** 2 < 0.25):
             return None
         mean_y, mean_x = y / w, x / w
         slope = min(max(self._slope, 0.0), mean_y / mean_x)  # keep it physical: 0 <= slope, fixed cost >= 0
@@ -87,7 +90,7 @@ class CostModel:
         draft token ~9 ms against a ~5.5 ms fixed step on the 2-core machine); a 1B draft for a 70B target passes it
         by far (~1.5 ms against ~20 ms on the H200).
         """
-        line = self.line()
+        line = self.line(remembered=True)
         if line is None or self.draft_token_ns <= 0:
             return None
         # Only a clear verdict stops a request: a fitted intercept is noisy, and near the line pausing costs little.
@@ -163,7 +166,8 @@ class DraftLengthPolicy:
     than drafting can save (`CostModel.drafting_can_pay` is False) makes one short probe, which measures the draft
     again, and then stops for good (`futile`): the caller decodes the rest target-only. Probing every few rounds
     instead would cost a model drafter its catch-up over every token it skipped: on the 2-core CPU a same-size draft
-    made "adaptive" 0.51-0.71x of target-only decoding that way, although it drafted on only a fifth of its rounds.
+    made "adaptive" 0.51-0.71x of target-only decoding that way, though most requests asked for 0.2-0.4 draft
+    tokens a round.
     """
 
     costs: CostModel
