@@ -25,6 +25,7 @@ PRIOR_WEIGHT = 2.0  # ... worth this many observations
 DECAY = 0.97  # per round: the estimate follows the request's recent behaviour (about 30 rounds)
 PROBE_EVERY = 8  # rounds of plain decoding before one probing round with a short draft
 EMA = 0.1
+MIN_STEP_VARIANCE = 0.25  # of recent step sizes (tokens^2), below which they do not identify the cost line's slope
 FUTILE_MARGIN = 1.25  # drafting counts as futile only when a draft token costs 1.25x the amortisable fixed step
 # The draft's cost is measured only when it drafts, which is rare once requests stop; each measurement then weighs
 # more, so that it is as fresh as the target's, measured every step (on a busy host both slow down together).
@@ -52,10 +53,15 @@ class CostModel:
         x, y = float(step_tokens), float(forward_ns)
         self._s = [v * (1 - EMA) + d for v, d in zip(self._s, (1.0, x, y, x * x, x * y), strict=True)]
         self.sequences += EMA * (max(step_sequences, 1) - self.sequences)
-        w, x, y, xx, xy = self._s
-        var = xx / w - (x / w) ** 2
-        if var >= 0.25:  # at least two step sizes in the window: the slope is identified
+        var = self._step_variance()
+        if var >= MIN_STEP_VARIANCE:  # at least two step sizes in the window: the slope is identified
+            w, x, y, _, xy = self._s
             self._slope = (xy / w - (x / w) * (y / w)) / var
+
+    def _step_variance(self) -> float:
+        """Weighted variance of the recent steps' sizes (0: they all had one size, which says nothing of the slope)."""
+        w, x, _, xx, _ = self._s
+        return xx / w - (x / w) ** 2 if w > 0 else 0.0
 
     def observe_draft(self, tokens: int, forward_ns: int) -> None:
         if tokens > 0:
@@ -71,8 +77,8 @@ class CostModel:
         With `remembered`, the last identified slope stands in while they have not; the fixed cost always follows
         the recent steps (through their means).
         """
-        w, x, y, xx, _ = self._s
-        if w <= 0 or self._slope is None or (not remembered and xx / w - (x / w) ** 2 < 0.25):
+        w, x, y, _, _ = self._s
+        if w <= 0 or self._slope is None or (not remembered and self._step_variance() < MIN_STEP_VARIANCE):
             return None
         mean_y, mean_x = y / w, x / w
         slope = min(max(self._slope, 0.0), mean_y / mean_x)  # keep it physical: 0 <= slope, fixed cost >= 0
