@@ -46,6 +46,7 @@ class Config:
     baseline: str  # the configuration this one's speedup and text are compared with
     drafter: str = "none"
     adaptive: bool = False  # tandem: choose k per round in 1..n_max (adaptive draft length) instead of k = n_max
+    ngram_min: int | None = None  # tandem's lookup in the gateway: shortest match that drafts (None: the default)
 
 
 @dataclass
@@ -158,14 +159,20 @@ def peer_ngram_flags(kind: str, k: int) -> list[str]:
     return ["--spec-ngram-mod-n-max", str(k), "--spec-ngram-mod-n-min", "1"]
 
 
-def lookup_configs(prefix: str, url: str, ngram_ks: list[int], adaptive: bool) -> list[Config]:
-    """Target-only, prompt lookup at each k, and (if asked) adaptive, on one gateway; each against its target-only."""
+def lookup_configs(prefix: str, url: str, ngram_ks: list[int], adaptive: bool, long_match: int) -> list[Config]:
+    """Target-only, prompt lookup at each k, and (if asked) adaptive, on one gateway; each against its target-only.
+    With `long_match`, the same lookup at the longest k drafting only behind matches of that many tokens."""
     base = f"{prefix}target-only"
+    top = max(ngram_ks)
     configs = [Config(base, "tandem", url, 0, base)]
     configs += [Config(f"{prefix}ngram k={k}", "tandem", url, k, base, "ngram") for k in ngram_ks]
     if adaptive:
-        top = max(ngram_ks)
         configs.append(Config(f"{prefix}ngram adaptive<={top}", "tandem", url, top, base, "ngram", True))
+    if long_match:
+        name = f"{prefix}ngram match>={long_match}"
+        configs.append(Config(f"{name} k={top}", "tandem", url, top, base, "ngram", ngram_min=long_match))
+        if adaptive:
+            configs.append(Config(f"{name} adaptive<={top}", "tandem", url, top, base, "ngram", True, long_match))
     return configs
 
 
@@ -173,10 +180,11 @@ def build_configs(
     args: argparse.Namespace, log_dir: Path, stack: Stack, ks: list[int], ngram_ks: list[int]
 ) -> list[Config]:
     ngram_url, service_url, model_urls = start_tandem(args, log_dir, stack)
-    configs = lookup_configs("", ngram_url, ngram_ks, not args.no_adaptive)
+    configs = lookup_configs("", ngram_url, ngram_ks, not args.no_adaptive, args.long_match)
     configs.append(Config(f"ngram-service k={max(ks)}", "tandem", service_url, max(ks), "target-only", "ngram"))
     if args.colocated:
-        configs += lookup_configs(COLOCATED, start_colocated(args, log_dir, stack), ngram_ks, not args.no_adaptive)
+        colocated = start_colocated(args, log_dir, stack)
+        configs += lookup_configs(COLOCATED, colocated, ngram_ks, not args.no_adaptive, args.long_match)
     for name, url in model_urls.items():
         configs += [Config(f"{name} k={k}", "tandem", url, k, "target-only", "model") for k in ks]
         if not args.no_adaptive:
@@ -224,6 +232,8 @@ def request(client: httpx.Client, config: Config, workload: Workload, prompt: st
             body["speculative.n_min"] = 0
         if config.family == "tandem":
             body["speculative.adaptive"] = config.adaptive
+        if config.ngram_min is not None:
+            body["speculative.ngram_min"] = config.ngram_min
     t0 = time.perf_counter()
     response = client.post(f"{config.url}/v1/chat/completions", json=body, timeout=600)
     response.raise_for_status()
@@ -382,6 +392,14 @@ def main(argv: list[str] | None = None) -> int:
         " process, `--colocate`), each compared with its own target-only mode",
     )
     parser.add_argument("--no-adaptive", action="store_true", help="skip the adaptive draft length configurations")
+    parser.add_argument(
+        "--long-match",
+        type=int,
+        default=12,
+        metavar="N",
+        help="add n-gram configurations that draft only behind a suffix match of at least N tokens (per request,"
+        " `speculative.ngram_min`; llama-server's ngram-simple waits for 12); 0 = none",
+    )
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<time>)")
     parser.add_argument("--label", default="", help="a note stored with the results (machine, date, ...)")
     parser.add_argument(

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.ngram import NGRAM_MAX, NGRAM_MIN
@@ -241,6 +241,15 @@ class GatewaySettings(BaseSettings):
         " not used): the same n-gram drafter as the service's, without a Propose RPC per round (~1 ms each on a small"
         " CPU box)",
     )
+    local_ngram_min: int = Field(
+        NGRAM_MIN,
+        ge=1,
+        le=32,
+        description="--local-ngram: shortest suffix match that drafts. Longer minimums draft less often but only inside"
+        " text that really repeats (llama-server's ngram-simple waits for 12 tokens); on the CPU build that also keeps"
+        " batched verification from flipping near-ties in free prose",
+    )
+    local_ngram_max: int = Field(NGRAM_MAX, ge=1, le=32, description="--local-ngram: longest suffix to look up")
     colocate: bool = Field(
         False,
         description="load the target (and, unless --draft is empty, the draft) into the gateway's own process and call"
@@ -298,3 +307,11 @@ class GatewaySettings(BaseSettings):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest request body accepted (413 above)")
     max_tokens_limit: int = Field(8192, ge=1, description="largest max_tokens a request may ask for")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _lookup_lengths_ordered(self) -> GatewaySettings:
+        if self.local_ngram_min > self.local_ngram_max:
+            raise ValueError(
+                f"local_ngram_min ({self.local_ngram_min}) must not exceed local_ngram_max ({self.local_ngram_max})"
+            )
+        return self

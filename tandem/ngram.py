@@ -27,7 +27,8 @@ class NgramIndex:
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
-        lengths = [n for n in range(n_min, n_max + 1) if n <= 4 or n in INDEXED_LONG_LENGTHS or n == n_max]
+        # n_min is always indexed: a match of exactly n_min tokens must be found, whatever n_min is.
+        lengths = [n for n in range(n_min, n_max + 1) if n <= 4 or n in INDEXED_LONG_LENGTHS or n in (n_min, n_max)]
         self.follow: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in lengths}
         self._longest_first = sorted(self.follow, reverse=True)
         self.indexed = 0  # tokens[:indexed] are in the index

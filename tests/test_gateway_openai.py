@@ -215,6 +215,9 @@ def test_text_completions(client: openai.OpenAI) -> None:
         ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404, "model"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
         ({"messages": "hello"}, 400, "messages"),
+        # The lookup minimum is the gateway's own lookup's; this gateway calls an n-gram draft service.
+        ({"messages": [{"role": "user", "content": "hi"}], "speculative.ngram_min": 12}, 400, "speculative.ngram_min"),
+        ({"messages": [{"role": "user", "content": "hi"}], "speculative.ngram_min": 0}, 400, "speculative.ngram_min"),
         ({"messages": [{"role": "user", "content": "hi " * 9000}]}, 400, "messages"),
     ],
 )

@@ -266,6 +266,19 @@ def test_local_ngram_adaptive_is_identical(exact_local_gateway: Service) -> None
     assert spec["timings"]["verify_calls"] < plain["timings"]["verify_calls"]
 
 
+def test_long_match_minimum_drafts_less_and_keeps_the_text(exact_local_gateway: Service) -> None:
+    """`speculative.ngram_min: 12` (llama-server's ngram-simple minimum): rewriting a function still drafts its
+    verbatim stretches, in fewer rounds than behind 2-token matches, and the text stays the target's."""
+    plain = _chat(exact_local_gateway, PROMPTS[9], n_max=0)
+    short = _chat(exact_local_gateway, PROMPTS[9], n_max=32)
+    long = _chat(exact_local_gateway, PROMPTS[9], n_max=32, **{"speculative.ngram_min": 12})
+    assert long["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert long["timings"]["draft_n"] > 0 and 0 < long["timings"]["rounds"] < short["timings"]["rounds"]
+    too_long = {"messages": [{"role": "user", "content": "hi"}], "speculative.ngram_min": 17}
+    response = httpx.post(f"{exact_local_gateway.address}/v1/chat/completions", json=too_long, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "speculative.ngram_min"
+
+
 def test_seeded_sampled_requests_keep_a_fixed_k_unless_they_ask(exact_local_gateway: Service) -> None:
     """Adaptive k follows timings, so by default a seeded sampled request drafts at a fixed k (same seed, same text);
     asking for adaptive k explicitly gets it. Seen in the mean draft length: fixed counts n_max for every round

@@ -7,6 +7,7 @@ occurred earlier is found, and the tokens that followed its latest earlier occur
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import product
 
 import numpy as np
 import pytest
@@ -238,6 +239,20 @@ def test_prompt_lookup_drafts_from_the_prompt_and_what_was_committed() -> None:
     assert lookup.propose([], 2) == [9, 1]
 
 
+@pytest.mark.parametrize("n_min", [3, 5, 7, 12])
+def test_prompt_lookup_drafts_only_behind_matches_of_its_minimum(n_min: int) -> None:
+    """`--local-ngram-min` / `speculative.ngram_min`: a suffix that matches over n_min - 1 tokens drafts nothing,
+    one that matches over exactly n_min tokens drafts (also for minimums that are not indexed lengths of their own)."""
+    from tandem.ngram import PromptLookup
+
+    prompt = list(range(100, 130))
+    short = PromptLookup(prompt, n_min)
+    assert short.propose(prompt[: n_min - 1], 8) == []
+    exact = PromptLookup(prompt, n_min)
+    assert exact.propose(prompt[:n_min], 8) == prompt[n_min : n_min + min(8, n_min - 1)]
+    assert exact.last_match == n_min
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_draft_triggers_are_exactly_the_tokens_after_which_propose_drafts(seed: int) -> None:
     """Pipelined rounds rely on this: for every possible next token t, t is a trigger if and only if looking t up
@@ -250,9 +265,9 @@ def test_draft_triggers_are_exactly_the_tokens_after_which_propose_drafts(seed: 
     rng = np.random.default_rng(seed)
     vocab = int(rng.integers(3, 12))
     tokens = [int(t) for t in rng.integers(0, vocab, size=int(rng.integers(5, 120)))]
-    for keeps in (lambda m, n: True, lambda m, n: m >= 4 and n >= 2):
+    for n_min, keeps in product((2, 5), (lambda m, n: True, lambda m, n: m >= 4 and n >= 2)):
         for max_tokens in (1, 8, 32):
-            lookup = PromptLookup(tokens[:3])
+            lookup = PromptLookup(tokens[:3], n_min)
             lookup.propose(tokens[3:-1], max_tokens)  # a lookup with a history, as in a running request
             ahead = copy.deepcopy(lookup)
             triggers = ahead.draft_triggers([tokens[-1]], max_tokens, keeps)

@@ -85,6 +85,14 @@ class SamplingFields(BaseModel):
     # llama-server's flat names, so one running stack can be compared with and without speculation.
     speculative_n_max: int | None = Field(None, alias="speculative.n_max", ge=0, le=64)
     speculative_n_min: int | None = Field(None, alias="speculative.n_min", ge=0, le=64)
+    speculative_ngram_min: int | None = Field(
+        None,
+        alias="speculative.ngram_min",
+        ge=1,
+        le=32,
+        description="extension: the gateway's own n-gram lookup drafts only behind a suffix match of at least this"
+        " many tokens (default: the server's --local-ngram-min)",
+    )
     speculative_adaptive: bool | None = Field(
         None,
         alias="speculative.adaptive",

@@ -103,6 +103,7 @@ class Serving:
             )
         n_max = self.default_n_max if req.speculative_n_max is None else req.speculative_n_max
         n_min = self.settings.n_min if req.speculative_n_min is None else req.speculative_n_min
+        ngram_min = self._ngram_min(req.speculative_ngram_min)
         return GenerationRequest(
             prompt_token_ids=list(prompt_ids),
             sampling=req.sampling_params(),
@@ -111,7 +112,26 @@ class Serving:
             n_min=n_min,
             top_logprobs=top_logprobs,
             adaptive=self._adaptive(req),
+            ngram_min=ngram_min,
         )
+
+    def _ngram_min(self, requested: int | None) -> int:
+        """The shortest suffix match that drafts, for this request's lookup in the gateway."""
+        if requested is None:
+            return self.settings.local_ngram_min
+        param = "speculative.ngram_min"
+        if not self.settings.local_ngram:
+            raise OpenAIError(
+                400, f"{param} needs the gateway's own n-gram lookup (--local-ngram)", param, "invalid_value"
+            )
+        if requested > self.settings.local_ngram_max:
+            raise OpenAIError(
+                400,
+                f"{param} {requested} exceeds the longest suffix looked up ({self.settings.local_ngram_max})",
+                param,
+                "invalid_value",
+            )
+        return requested
 
     def _adaptive(self, req) -> bool:
         """The request's own choice; else the server's default, except for seeded sampled requests: the draft length
@@ -131,6 +151,7 @@ class Serving:
             self.settings.overlap_draft,
             self.settings.local_ngram,
             self.settings.plain_pipeline,
+            self.settings.local_ngram_max,
         )
 
     async def deltas(self, generation: Generation, stop: Sequence[str]) -> AsyncIterator[Delta]:

@@ -33,7 +33,7 @@ from services.gateway.adaptive import (
 )
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.upstream import Upstreams
-from tandem.ngram import PromptLookup
+from tandem.ngram import NGRAM_MAX, NGRAM_MIN, PromptLookup
 from tandem.sampling import SamplingParams
 from tandem.telemetry import carrier_for, metadata_for, tracer
 from tandem.v1 import tandem_pb2 as pb
@@ -52,6 +52,7 @@ class GenerationRequest:
     n_min: int = 0  # drafts shorter than this are not verified
     top_logprobs: int = -1  # -1 none, 0 chosen token only, n alternatives
     adaptive: bool = True  # choose k per round in [n_min, n_max] from measured costs and acceptance
+    ngram_min: int = NGRAM_MIN  # the gateway's own lookup drafts behind suffix matches at least this long
 
 
 @dataclass
@@ -144,6 +145,7 @@ class Generation:
         overlap: bool = True,
         local_ngram: bool = False,
         plain_pipeline: int = PLAIN_PIPELINE,
+        ngram_max: int = NGRAM_MAX,
     ) -> None:
         self.up = upstreams
         self.plain_pipeline = plain_pipeline
@@ -155,7 +157,9 @@ class Generation:
             prompt_n=len(request.prompt_token_ids), synthetic_acceptance=upstreams.target_info.synthetic_acceptance
         )
         # Prompt lookup in this process (no draft service, no Propose RPC): the sequence so far and its index.
-        self._local: PromptLookup | None = PromptLookup(request.prompt_token_ids) if local_ngram else None
+        self._local: PromptLookup | None = (
+            PromptLookup(request.prompt_token_ids, request.ngram_min, ngram_max) if local_ngram else None
+        )
         self._use_draft = (upstreams.draft is not None or self._local is not None) and request.n_max > 0
         # Rounds without a draft go out pipelined when the lookup runs here and knows which tokens would end them.
         self._pipelines_lookup = self._local is not None and plain_pipeline > 1
