@@ -289,3 +289,13 @@ def test_draft_triggers_give_up_when_too_many_tokens_could_follow() -> None:
     lookup = PromptLookup(tokens)
     assert lookup.draft_triggers([7], 8, lambda m, n: True, limit=64) is None
     assert lookup.draft_triggers([], 8, lambda m, n: True, limit=200) is not None
+
+
+def test_gateway_refuses_a_lookup_minimum_over_its_maximum() -> None:
+    from pydantic import ValidationError
+
+    from tandem.config import GatewaySettings
+
+    assert GatewaySettings(local_ngram_min=12).local_ngram_min == 12
+    with pytest.raises(ValidationError, match="must not exceed"):
+        GatewaySettings(local_ngram_min=12, local_ngram_max=8)
