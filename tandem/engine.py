@@ -131,6 +131,9 @@ class Engine:
         self._nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self.n_batch,))
         self._want = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
         self._nseq[:] = 1
+        # Each row's seq_id pointer, fetched once: going through the batch struct costs two ctypes objects a token.
+        self._seq_rows = [self._batch.seq_id[r] for r in range(self.n_batch)]
+        self._logits_views: dict[tuple[int, int], np.ndarray] = {}  # (buffer address, rows) -> view of it
 
         # The file name is what users recognise and pass as `model` (llama-server does the same).
         self.name = path.stem
@@ -275,7 +278,7 @@ class Engine:
             for j in range(off, off + count):
                 self._tok[r] = item.tokens[j]
                 self._pos[r] = item.start + j
-                self._batch.seq_id[r][0] = item.seq_id
+                self._seq_rows[r][0] = item.seq_id
                 want = item.logits == "all" or (item.logits == "last" and j == len(item.tokens) - 1)
                 self._want[r] = 1 if want else 0
                 if want:
@@ -296,18 +299,30 @@ class Engine:
         # One copy of the whole output block: llama_get_logits returns the wanted rows in batch order, and each
         # item's rows are consecutive in it. (A numpy view per row through ctypes cost ~0.1 ms a call.)
         n_out = len(wanted)
-        address = ctypes.addressof(llama_cpp.llama_get_logits(self._ctx).contents)
-        buffer = (ctypes.c_float * (n_out * self.n_vocab)).from_address(address)
-        block = np.frombuffer(buffer, dtype=np.float32).reshape(n_out, self.n_vocab)
+        block = self._logits_block(n_out)
         if copy:
             block = block.copy()
-        else:
-            block.flags.writeable = False
         first = 0
         for k in range(1, n_out + 1):
             if k == n_out or wanted[k][1] != wanted[first][1]:
                 out[wanted[first][1]].append(block[first:k])
                 first = k
+
+    def _logits_block(self, n_out: int) -> np.ndarray:
+        """A read-only view of the first n_out rows of llama.cpp's logits buffer.
+
+        Views are kept per (address, rows): llama.cpp reuses its output buffer from step to step, and making a ctypes
+        array type and a numpy view over it cost more than any other Python line of a GPU round (py-spy)."""
+        address = ctypes.addressof(llama_cpp.llama_get_logits(self._ctx).contents)
+        view = self._logits_views.get((address, n_out))
+        if view is None:
+            if len(self._logits_views) > 256:  # the buffer moved many times: forget old addresses
+                self._logits_views.clear()
+            buffer = (ctypes.c_float * (n_out * self.n_vocab)).from_address(address)
+            view = np.frombuffer(buffer, dtype=np.float32).reshape(n_out, self.n_vocab)
+            view.flags.writeable = False
+            self._logits_views[(address, n_out)] = view
+        return view
 
     def prefill_steps(self, items: Sequence[DecodeItem]) -> Generator[None, None, list[np.ndarray]]:
         """Like decode, but at most n_batch tokens per forward pass and a `yield` between passes.

@@ -354,7 +354,7 @@ class ArgmaxRows(_RowsOnDemand):
     """Each row's greedy choice on first use: verify_greedy reads them only up to the first mismatch."""
 
     def _transform(self, row: np.ndarray) -> int:
-        return int(np.argmax(row))
+        return int(row.argmax())
 
 
 def verify_stochastic(

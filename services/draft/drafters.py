@@ -169,7 +169,7 @@ class ModelDrafter(Drafter):
                 session, max_tokens = work[i]
                 params = session.sampling
                 if params.greedy:
-                    token = int(np.argmax(rows[i]))
+                    token = int(rows[i].argmax())
                 else:
                     q = sampling.truncate(sampling.warp(rows[i], params), self.support)
                     token = sampling.sample(q, session.rng)

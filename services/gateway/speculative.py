@@ -132,6 +132,13 @@ class GenerationStats:
         }
 
 
+def _traced(span: trace.Span) -> dict[str, dict[str, str]]:
+    """The trace_context field of a request, or nothing when tracing is off: filling a protobuf map, even from an
+    empty dict, goes through MutableMapping.update and its ABC checks, twice a round."""
+    carrier = carrier_for(span)
+    return {"trace_context": carrier} if carrier else {}
+
+
 class Generation:
     """One request's speculative decoding; iterate it for tokens, read `stats` at any time."""
 
@@ -587,9 +594,7 @@ class Generation:
             rewind=rewind,
         )
         try:
-            reply = await self.up.propose.call(
-                pb.ProposeRequest(items=[item], trace_context=carrier_for(span)), self.timeout
-            )
+            reply = await self.up.propose.call(pb.ProposeRequest(items=[item], **_traced(span)), self.timeout)
         except grpc.aio.AioRpcError as exc:
             self._draft_failed(exc)
             span.record_exception(exc)
@@ -655,7 +660,7 @@ class Generation:
                             unless_pending_in=sorted(unless) if unless else (),
                         )
                     ],
-                    trace_context=carrier_for(span),
+                    **_traced(span),
                 ),
                 self.timeout,
             )

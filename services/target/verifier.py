@@ -115,7 +115,7 @@ class Verifier:
 
     def _pick(self, session: Session, row: np.ndarray) -> int:
         if session.sampling.greedy:
-            return int(np.argmax(row))
+            return int(row.argmax())
         return sampling.sample(sampling.warp(row, session.sampling), session.rng)
 
     def _check_room(self, session: Session, extra: int) -> None:
@@ -273,7 +273,7 @@ class Verifier:
         for i, token in enumerate(sequence):
             (row,) = self.engine.decode([DecodeItem(session.seq_id, [token], len(session.tokens) - 1 + i, "last")])
             rows.append(row[-1])
-            if session.sampling.greedy and i < len(drafts) and int(np.argmax(row[-1])) != drafts[i]:
+            if session.sampling.greedy and i < len(drafts) and int(row[-1].argmax()) != drafts[i]:
                 break
         return np.stack(rows)
 
@@ -299,7 +299,8 @@ class Verifier:
         emitted = [*drafts[:n], outcome.next_token]
         # KV now holds [pending, d1..dk] (or fewer in sequential mode); keep pending and the accepted drafts.
         start = len(session.tokens) - 1
-        self.engine.truncate(session.seq_id, start + n + 1)
+        if n < k:  # with every draft accepted there is nothing to drop (and llama_memory_seq_rm walks every cell)
+            self.engine.truncate(session.seq_id, start + n + 1)
         session.kv_tokens = [*session.tokens, *drafts[:n]]
         session.tokens.extend(emitted)
         tokens = tuple(self._emit(session, t, rows[i] if i < len(rows) else None) for i, t in enumerate(emitted))
