@@ -351,6 +351,19 @@ def summarise(configs: list[Config], loads: list[Workload], records: list[Record
     return rows
 
 
+def select_configs(configs: list[Config], pattern: str) -> list[Config]:
+    """The configurations whose name matches `pattern` (a regular expression), with the baselines they are compared
+    with, in their original order."""
+    import re
+
+    wanted = {c.name for c in configs if re.search(pattern, c.name)}
+    wanted |= {c.baseline for c in configs if c.name in wanted}
+    chosen = [c for c in configs if c.name in wanted]
+    if not chosen:
+        raise SystemExit(f"--only {pattern!r} matches no configuration: {', '.join(c.name for c in configs)}")
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one prompt per workload, one repetition, k=4 only")
@@ -400,6 +413,12 @@ def main(argv: list[str] | None = None) -> int:
         help="add n-gram configurations that draft only behind a suffix match of at least N tokens (per request,"
         " `speculative.ngram_min`; llama-server's ngram-simple waits for 12); 0 = none",
     )
+    parser.add_argument(
+        "--only",
+        default=None,
+        metavar="REGEX",
+        help="run only the configurations whose name matches (and their baselines), e.g. 'target-only|^llama-server$'",
+    )
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<time>)")
     parser.add_argument("--label", default="", help="a note stored with the results (machine, date, ...)")
     parser.add_argument(
@@ -427,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     stack = Stack()
     try:
         configs = build_configs(args, log_dir, stack, ks, ngram_ks)
+        if args.only:
+            configs = select_configs(configs, args.only)
         started = time.time()
         records = run(configs, loads, reps, args.max_tokens)
         rows = summarise(configs, loads, records)

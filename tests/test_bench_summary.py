@@ -52,3 +52,19 @@ def test_resummarise_rewrites_the_tables_from_the_records(tmp_path: Path) -> Non
     assert speedup["ngram k=8"] == pytest.approx((150 / 50 * 60 / 55) ** 0.5)
     assert "resummarised" in data["meta"]
     assert "ngram k=8" in (tmp_path / "table.md").read_text()
+
+
+def test_only_keeps_matching_configurations_and_their_baselines() -> None:
+    from bench.harness import select_configs
+
+    configs = [
+        *CONFIGS,
+        Config("co-located target-only", "tandem", "", 0, "co-located target-only"),
+        Config("co-located ngram k=8", "tandem", "", 8, "co-located target-only", "ngram"),
+        Config("llama-server", "llama-server", "", None, "llama-server"),
+    ]
+    names = [c.name for c in select_configs(configs, "ngram k=8$")]
+    assert names == ["target-only", "ngram k=8", "co-located target-only", "co-located ngram k=8"]
+    assert [c.name for c in select_configs(configs, "^llama-server$")] == ["llama-server"]
+    with pytest.raises(SystemExit, match="matches no configuration"):
+        select_configs(configs, "nothing")
