@@ -76,12 +76,26 @@ class CachedSlot:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = 0
+    """Length of the longest common prefix of two token sequences.
+
+    Called for every step of every session, with sequences as long as the context, and almost always one is a prefix
+    of the other: slices compare in C, so the common case costs ~1 us per thousand tokens instead of ~50 us for a
+    Python loop, and a mismatch is found by bisection over slices."""
+    if type(a) is not type(b):  # a list never equals a tuple: compare like with like
+        a, b = list(a), list(b)
     limit = min(len(a), len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
+    if a[:limit] == b[:limit]:
+        return limit
+    lo, hi = 0, limit  # a[:lo] == b[:lo], and a[:hi] != b[:hi]
+    while hi - lo > 8:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    while a[lo] == b[lo]:
+        lo += 1
+    return lo
 
 
 def make_rng(seed: int | None, salt: int = 0) -> np.random.Generator:

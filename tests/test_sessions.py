@@ -270,3 +270,25 @@ def test_make_rng_seeded_is_reproducible_and_salted() -> None:
     assert a.tolist() != salted.tolist()
     assert a.tolist() != other_seed.tolist()
     assert isinstance(make_rng(None), np.random.Generator)
+
+
+def test_common_prefix_agrees_with_the_definition() -> None:
+    """The slice-and-bisect version against a plain loop, on random pairs that share prefixes of every length
+    (equal, one a prefix of the other, a mismatch anywhere), lists and tuples mixed."""
+    import random
+
+    from tandem.sessions import common_prefix
+
+    def naive(a, b) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        shared = [rng.randrange(5) for _ in range(rng.randrange(0, 300))]
+        a = shared + [rng.randrange(5) for _ in range(rng.randrange(0, 20))]
+        b = shared + [rng.randrange(5) for _ in range(rng.randrange(0, 20))]
+        for x, y in ((a, b), (tuple(a), b), (a, tuple(b)), (b, a)):
+            assert common_prefix(x, y) == naive(x, y)
