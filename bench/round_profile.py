@@ -151,6 +151,13 @@ def _probe_handoffs(add) -> None:
         add("handoff.batch_step", time.perf_counter_ns() - now)
 
     scheduler.StepScheduler._batch_step = probed_batch_step
+    inline_step = scheduler.StepScheduler._inline_step
+
+    def counted_inline_step(self, kind, items):
+        add("handoff.inline_step", 0)  # counted only: these steps run outside the engine thread's loop
+        return inline_step(self, kind, items)
+
+    scheduler.StepScheduler._inline_step = counted_inline_step
     post = scheduler.StepScheduler._post
 
     def probed_post(results) -> None:
@@ -235,10 +242,15 @@ def split_round(before: dict, after: dict, replies: list[dict]) -> dict[str, flo
     n_calls = max(calls("handoff.queue"), 1)
     row["hop_to_engine_us"] = total("handoff.queue") / n_calls
     row["hop_to_loop_us"] = total("handoff.wake") / max(calls("handoff.wake"), 1)
-    # Steps on the engine thread only (inline steps have no scheduler loop around them).
+    # Steps on the engine thread only (inline steps have no scheduler loop around them). The step totals mix both
+    # kinds, so with inline steps in the window the engine thread's share cannot be told apart: reported as "-"
+    # (earlier versions printed a large negative number there).
     steps = calls("handoff.batch_step")
-    threaded_step_us = total("handoff.batch_step") - total("propose.step") - total("verify.step") if steps else 0.0
-    row["scheduler_py_us"] = threaded_step_us / steps if steps else 0.0
+    if calls("handoff.inline_step"):
+        row["scheduler_py_us"] = "-"
+    else:
+        threaded_step_us = total("handoff.batch_step") - total("propose.step") - total("verify.step") if steps else 0.0
+        row["scheduler_py_us"] = threaded_step_us / steps if steps else 0.0
     row["gateway_us"] = round_us - (total("propose.handler") + total("verify.handler")) / rounds
     compute = row["propose_forward_us"] + row["verify_forward_us"]
     row["overhead_us"] = round_us - compute
