@@ -28,9 +28,16 @@ def verify_scheduler(verify, **options) -> StepScheduler:
 @contextlib.asynccontextmanager
 async def engine_busy(scheduler: StepScheduler) -> AsyncIterator[None]:
     """Hold the engine thread with a job; calls made inside the block wait, and run once it is released."""
-    gate = threading.Event()
-    blocker = asyncio.create_task(scheduler.job(gate.wait))
-    await asyncio.sleep(0.05)
+    gate, holding = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        holding.set()
+        gate.wait()
+
+    blocker = asyncio.create_task(scheduler.job(hold))
+    # Wait until the engine thread really runs the job: a fixed sleep was not always long enough on a loaded
+    # machine, and calls made before the engine is held may run at once (a suspected flake of the suite).
+    assert await asyncio.to_thread(holding.wait, 10), "the engine thread never started the blocking job"
     try:
         yield
         await asyncio.sleep(0.05)  # let the calls made inside reach the queue
