@@ -312,8 +312,8 @@ class Engine:
         """A read-only view of the first n_out rows of llama.cpp's logits buffer.
 
         Views are kept per (address, rows): llama.cpp reuses its output buffer from step to step, and making a ctypes
-        array type and a numpy view over it was the hottest Python line of a speculative round in a py-spy profile on the
-        2-core CPU."""
+        array type and a numpy view over it was the hottest Python line of a speculative round in a py-spy profile
+        on the 2-core CPU."""
         address = ctypes.addressof(llama_cpp.llama_get_logits(self._ctx).contents)
         view = self._logits_views.get((address, n_out))
         if view is None:
