@@ -77,9 +77,9 @@ class Stack:
                     proc.kill()
 
 
-def start_tandem(args: argparse.Namespace, log_dir: Path, stack: Stack) -> tuple[str, str, dict[str, str]]:
+def start_tandem(args: argparse.Namespace, log_dir: Path, stack: Stack) -> tuple[str, str, dict[str, str], str | None]:
     """Target, n-gram draft and (unless disabled) model draft, each with a gateway. Returns the gateway URLs:
-    local n-gram, n-gram service, model drafts by placement."""
+    local n-gram, n-gram service, model drafts by placement, and one-token target-only calls (if asked)."""
     model = ["--model", args.model] if args.model else []
     draft_model = ["--model", args.draft_model or args.model] if (args.draft_model or args.model) else []
     print("starting target ...", file=sys.stderr, flush=True)
@@ -106,19 +106,25 @@ def start_tandem(args: argparse.Namespace, log_dir: Path, stack: Stack) -> tuple
             gateway = start_gateway(target.address, draft.address, log_dir, "--n-max", "4")
             stack.processes.append(gateway)
             model_urls[name] = gateway.address
-    return ngram_gw.address, service_gw.address, model_urls
+    one_token = None
+    if args.one_token_calls:
+        gateway = start_gateway(target.address, None, log_dir, "--plain-burst-ms", "0")
+        stack.processes.append(gateway)
+        one_token = gateway.address
+    return ngram_gw.address, service_gw.address, model_urls, one_token
 
 
 COLOCATED = "co-located "  # name prefix of the configurations served by a gateway with the target in its process
+ONE_TOKEN = "target-only 1-token calls"  # --one-token-calls: target-only, one token per Verify call
 
 
-def start_colocated(args: argparse.Namespace, log_dir: Path, stack: Stack) -> str:
+def start_colocated(args: argparse.Namespace, log_dir: Path, stack: Stack, *extra: str) -> str:
     """A gateway with the target loaded into its own process (`--colocate`) and the n-gram drafter in it too: no gRPC
     at all. Same target flags as the target service, as its TANDEM_TARGET_* settings."""
     flags = ["--no-prefix-cache", *(["--model", args.model] if args.model else []), *shlex.split(args.target_args)]
     target = settings_from_flags(flags)
     print("starting co-located gateway ...", file=sys.stderr, flush=True)
-    gateway = start_colocated_gateway(log_dir, target, None, "--n-max", "4", "--local-ngram")
+    gateway = start_colocated_gateway(log_dir, target, None, "--n-max", "4", "--local-ngram", *extra)
     stack.processes.append(gateway)
     return gateway.address
 
@@ -179,12 +185,17 @@ def lookup_configs(prefix: str, url: str, ngram_ks: list[int], adaptive: bool, l
 def build_configs(
     args: argparse.Namespace, log_dir: Path, stack: Stack, ks: list[int], ngram_ks: list[int]
 ) -> list[Config]:
-    ngram_url, service_url, model_urls = start_tandem(args, log_dir, stack)
+    ngram_url, service_url, model_urls, one_token_url = start_tandem(args, log_dir, stack)
     configs = lookup_configs("", ngram_url, ngram_ks, not args.no_adaptive, args.long_match)
     configs.append(Config(f"ngram-service k={max(ks)}", "tandem", service_url, max(ks), "target-only", "ngram"))
+    if one_token_url:
+        configs.append(Config(ONE_TOKEN, "tandem", one_token_url, 0, "target-only"))
     if args.colocated:
         colocated = start_colocated(args, log_dir, stack)
         configs += lookup_configs(COLOCATED, colocated, ngram_ks, not args.no_adaptive, args.long_match)
+        if args.one_token_calls:
+            one = start_colocated(args, log_dir, stack, "--plain-burst-ms", "0")
+            configs.append(Config(COLOCATED + ONE_TOKEN, "tandem", one, 0, f"{COLOCATED}target-only"))
     for name, url in model_urls.items():
         configs += [Config(f"{name} k={k}", "tandem", url, k, "target-only", "model") for k in ks]
         if not args.no_adaptive:
@@ -301,7 +312,8 @@ def summarise(configs: list[Config], loads: list[Workload], records: list[Record
             predicted_n = sum(r.timings.get("predicted_n", 0) or 0 for r in recs)
             draft_ms = sum(r.timings.get("draft_compute_ms", 0) or 0 for r in recs)
             verify_ms = sum(r.timings.get("verify_compute_ms", 0) or 0 for r in recs)
-            verify_calls = sum(r.timings.get("verify_calls", 0) or 0 for r in recs)
+            # Target steps (a target-only call can run several), or calls where a reply predates the field.
+            verify_steps = sum(r.timings.get("verify_steps", r.timings.get("verify_calls", 0)) or 0 for r in recs)
             pos_acc: list[int] = []
             pos_n: list[int] = []
             for r in recs:
@@ -344,7 +356,7 @@ def summarise(configs: list[Config], loads: list[Workload], records: list[Record
                     "ideal_tok_s": 1000 * predicted_n / compute_ms if tandem and compute_ms else None,
                     "efficiency": compute_ms / predicted_ms if tandem and predicted_ms else None,
                     "draft_ms_per_token": draft_ms / drafted if tandem and drafted and draft_ms else None,
-                    "verify_ms_per_call": verify_ms / verify_calls if tandem and verify_calls else None,
+                    "verify_ms_per_step": verify_ms / verify_steps if tandem and verify_steps else None,
                     "acceptance_by_position": [a / n if n else None for a, n in zip(pos_acc, pos_n, strict=True)],
                 }
             )
@@ -405,6 +417,12 @@ def main(argv: list[str] | None = None) -> int:
         " process, `--colocate`), each compared with its own target-only mode",
     )
     parser.add_argument("--no-adaptive", action="store_true", help="skip the adaptive draft length configurations")
+    parser.add_argument(
+        "--one-token-calls",
+        action="store_true",
+        help="add target-only through a gateway that asks the target for one token per call (`--plain-burst-ms 0`),"
+        " against the default (several tokens a call where steps are short); co-located too with --colocated",
+    )
     parser.add_argument(
         "--long-match",
         type=int,

@@ -45,7 +45,7 @@ DETAIL_COLUMNS = [
     ("ideal tok/s", "ideal_tok_s", 1),
     ("efficiency", "efficiency", 2),
     ("draft ms/tok", "draft_ms_per_token", 2),
-    ("verify ms/call", "verify_ms_per_call", 2),
+    ("verify ms/step", "verify_ms_per_step", 2),
 ]
 
 

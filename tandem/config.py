@@ -291,6 +291,14 @@ class GatewaySettings(BaseSettings):
         " lookup (--local-ngram) also sends its rounds without a draft ahead, each conditional on the token before"
         " it not being one the lookup would draft after",
     )
+    plain_burst_ms: float = Field(
+        40.0,
+        ge=0,
+        le=1000,
+        description="target-only decoding: each Verify call asks for as many tokens as the target computes in this"
+        " long (its measured step; at most 16), so that one message each way carries several tokens where steps are"
+        " short; those tokens then reach the client together. 0: one token per call",
+    )
     max_tokens_default: int = Field(512, ge=1, description="max_tokens when the request gives none")
     rpc_timeout_s: float = Field(30.0, gt=0, description="deadline of each gRPC call")
     startup_timeout_s: float = Field(600.0, gt=0, description="how long to wait for the services at start")

@@ -246,7 +246,7 @@ def test_local_ngram_sequential_verify_is_identical(exact_local_gateway: Service
         assert spec["timings"]["speculation"] == "on"
         assert spec["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"], prompt
         assert [t["logprob"] for t in _tokens(spec)] == [t["logprob"] for t in _tokens(plain)], prompt
-        assert spec["timings"]["verify_calls"] < plain["timings"]["verify_calls"]  # drafts saved target passes
+        assert spec["timings"]["verify_steps"] < plain["timings"]["verify_steps"]  # drafts saved target steps
         drafted += spec["timings"]["draft_n"]
         accepted += spec["timings"]["draft_n_accepted"]
     print(f"\nlocal n-gram, sequential verify: acceptance {accepted / drafted:.4f} over {drafted} drafted tokens")
@@ -263,7 +263,7 @@ def test_local_ngram_adaptive_is_identical(exact_local_gateway: Service) -> None
     assert [t["logprob"] for t in _tokens(spec)] == [t["logprob"] for t in _tokens(plain)]
     assert spec["timings"]["draft_n"] > 0
     assert spec["timings"]["draft_length_mean"] is not None  # chosen by the policy, round by round
-    assert spec["timings"]["verify_calls"] < plain["timings"]["verify_calls"]
+    assert spec["timings"]["verify_steps"] < plain["timings"]["verify_steps"]
 
 
 def test_long_match_minimum_drafts_less_and_keeps_the_text(exact_local_gateway: Service) -> None:
@@ -314,6 +314,39 @@ def test_pipelined_rounds_without_a_draft_change_nothing(
     for key in ("draft_n", "draft_n_accepted", "predicted_n", "draft_length_mean"):
         assert pipelined["timings"][key] == serial["timings"][key], key
     assert pipelined["timings"]["verify_calls"] == serial["timings"]["verify_calls"]  # skipped calls do not count
+
+
+@pytest.fixture(scope="module")
+def exact_one_token_gateway(exact_target: Service, service_tmp: Path) -> Iterator[Service]:
+    """Target-only calls of one token each (`--plain-burst-ms 0`): the reference for multi-token calls."""
+    service = start_gateway(exact_target.address, None, service_tmp, "--plain-burst-ms", "0")
+    yield service
+    service.stop()
+
+
+@pytest.fixture(scope="module")
+def exact_burst_gateway(exact_target: Service, service_tmp: Path) -> Iterator[Service]:
+    """Target-only calls of up to 16 tokens whatever this machine's speed (a second's worth of steps)."""
+    service = start_gateway(exact_target.address, None, service_tmp, "--plain-burst-ms", "1000")
+    yield service
+    service.stop()
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 3}], ids=["greedy", "sampled"])
+def test_multi_token_target_only_calls_change_nothing(
+    exact_burst_gateway: Service, exact_one_token_gateway: Service, sampling: dict
+) -> None:
+    """Target-only decoding asks for several tokens per Verify call where steps are short: the text and every
+    log-probability must be those of one-token calls, greedy and seeded sampling alike."""
+    for prompt in PROMPTS[1:3]:
+        several = _chat(exact_burst_gateway, prompt, n_max=0, **sampling)
+        single = _chat(exact_one_token_gateway, prompt, n_max=0, **sampling)
+        assert several["choices"][0]["message"]["content"] == single["choices"][0]["message"]["content"]
+        assert [t["logprob"] for t in _tokens(several)] == [t["logprob"] for t in _tokens(single)]
+        assert (
+            several["timings"]["verify_steps"] == single["timings"]["verify_steps"] == single["timings"]["verify_calls"]
+        )
+        assert several["timings"]["verify_calls"] * 4 < several["timings"]["verify_steps"]
 
 
 def test_ngram_requests_default_to_long_drafts(exact_local_gateway: Service) -> None:

@@ -337,3 +337,121 @@ def test_verify_stream_answers_by_request_id_with_in_band_errors(target_channel:
     assert replies[2].error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
     assert not replies[3].HasField("error") and replies[3].results[0].position == first.position + 2
     stub.Close(pb.CloseRequest(session_ids=[sid]))
+
+
+def _single_steps(stub: pb_grpc.TargetStub, prompt: list[int], n: int, sampling=GREEDY) -> list[pb.Token]:
+    """n target-only tokens after the first, one Verify call each: the reference for multi-token calls."""
+    sid = _sid()
+    opened = stub.Open(
+        pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=sampling, logprobs=True)])
+    ).results[0]
+    tokens, pos = [], opened.position
+    for _ in range(n):
+        r = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos)])).results[0]
+        tokens.extend(r.tokens)
+        pos = r.position
+    stub.Close(pb.CloseRequest(session_ids=[sid]))
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "sampling", [GREEDY, pb.SamplingParams(temperature=0.9, top_k=40, seed=7)], ids=["greedy", "sampled"]
+)
+def test_plain_steps_answer_several_tokens_exactly_as_single_calls(target_channel: grpc.Channel, sampling) -> None:
+    """`plain_steps` decodes N tokens in one call, one engine step each: the same tokens, log-probabilities and
+    random stream as N single calls; an exact retry is answered from memory; drafts with it are refused."""
+    stub = pb_grpc.TargetStub(target_channel)
+    prompt = _prompt(stub)
+    reference = _single_steps(stub, prompt, 9, sampling)
+    sid = _sid()
+    pos = (
+        stub.Open(
+            pb.OpenRequest(
+                items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=sampling, logprobs=True)]
+            )
+        )
+        .results[0]
+        .position
+    )
+    request = pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=5)])
+    reply = stub.Verify(request)
+    (result,) = reply.results
+    assert result.num_accepted == 0 and result.position == pos + 5
+    assert list(result.tokens) == reference[:5]  # ids, pieces and log-probabilities
+    assert reply.timing.steps == 5 and reply.timing.forward_ns > 0
+    assert stub.Verify(request).results == reply.results  # an exact retry: nothing applied twice
+    rest = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos + 5, plain_steps=4)]))
+    assert list(rest.results[0].tokens) == reference[5:9]
+    with_drafts = pb.VerifyRequest(
+        items=[pb.VerifyItem(session_id=sid, position=pos + 9, draft_token_ids=[11], plain_steps=3)]
+    )
+    assert _code(lambda: stub.Verify(with_drafts)) == grpc.StatusCode.INVALID_ARGUMENT
+    stub.Close(pb.CloseRequest(session_ids=[sid]))
+
+
+def test_pipelined_multi_token_calls_apply_in_order(target_channel: grpc.Channel) -> None:
+    """The gateway sends the next call before the previous one is answered. A multi-token call runs a step at a
+    time, so the call queued behind it must wait for its last step (else its first step would find the session
+    short of the position it names); calls of other sessions keep batching meanwhile."""
+    stub = pb_grpc.TargetStub(target_channel)
+    prompt = _prompt(stub)
+    reference = _single_steps(stub, prompt, 10)
+    sid, other = _sid(), _sid()
+    opened = stub.Open(
+        pb.OpenRequest(
+            items=[
+                pb.OpenItem(session_id=s, prompt_token_ids=prompt, sampling=GREEDY, logprobs=True) for s in (sid, other)
+            ]
+        )
+    ).results
+    pos = opened[0].position
+    requests = [
+        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=4)], request_id=1),
+        pb.VerifyRequest(items=[pb.VerifyItem(session_id=other, position=pos, plain_steps=6)], request_id=2),
+        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos + 4, plain_steps=5)], request_id=3),
+        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos + 9)], request_id=4),
+    ]
+    by_id = {r.request_id: r for r in stub.VerifyStream(iter(requests))}
+    assert not any(r.HasField("error") for r in by_id.values()), [r.error for r in by_id.values()]
+    ours = [t for i in (1, 3, 4) for t in by_id[i].results[0].tokens]
+    assert ours == reference
+    assert list(by_id[2].results[0].tokens) == reference[:6]
+    stub.Close(pb.CloseRequest(session_ids=[sid, other]))
+
+
+def test_plain_steps_end_early_at_end_of_text_and_at_a_full_context(target_channel: grpc.Channel) -> None:
+    """A multi-token call stops after an end-of-generation token, and where the session's context fills it answers
+    the tokens that fit; the next call then gets the context error. Nothing computed is lost."""
+    stub = pb_grpc.TargetStub(target_channel)
+    chat = (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2+2? Answer with one number.<|im_end|>\n<|im_start|>assistant\n"
+    )  # the model answers "The answer is 4." and ends
+    prompt = list(stub.Tokenize(pb.TokenizeRequest(text=chat, parse_special=True)).token_ids)
+    sid = _sid()
+    pos = (
+        stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)]))
+        .results[0]
+        .position
+    )
+    tokens = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=200)]))
+    tokens = tokens.results[0].tokens
+    assert tokens[-1].is_eog and len(tokens) < 200
+    assert not any(t.is_eog for t in tokens[:-1])
+    stub.Close(pb.CloseRequest(session_ids=[sid]))
+
+    n_ctx = stub.Info(pb.InfoRequest()).context_size
+    long_prompt = (_prompt(stub, "one two three four five six seven eight " * 300))[: n_ctx - 8]
+    sid = _sid()
+    pos = (
+        stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=long_prompt, sampling=GREEDY)]))
+        .results[0]
+        .position
+    )
+    reply = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=16)]))
+    (result,) = reply.results
+    assert result.position == n_ctx and len(result.tokens) == n_ctx - pos
+    assert reply.timing.steps == n_ctx - pos
+    full = pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=result.position)])
+    assert _code(lambda: stub.Verify(full)) == grpc.StatusCode.INVALID_ARGUMENT
+    stub.Close(pb.CloseRequest(session_ids=[sid]))

@@ -40,9 +40,9 @@ async def probe(url: str, max_tokens: int, rounds: int) -> None:
                 tokens = sum(r["usage"]["completion_tokens"] for r in replies)
                 timings = [r["timings"] for r in replies]
                 busy = statistics.mean(t["verify_compute_ms"] / t["predicted_ms"] for t in timings)
-                per_call = statistics.mean(t["verify_compute_ms"] / max(t["verify_calls"], 1) for t in timings)
+                per_call = statistics.mean(t["verify_compute_ms"] / max(t["verify_steps"], 1) for t in timings)
                 print(
-                    f"streams {streams}: {tokens / wall:7.1f} tok/s aggregate, forward {per_call:6.2f} ms per call, "
+                    f"streams {streams}: {tokens / wall:7.1f} tok/s aggregate, forward {per_call:6.2f} ms per step, "
                     f"engine busy {100 * busy:5.1f}% of decode time",
                     flush=True,
                 )

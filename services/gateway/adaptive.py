@@ -46,6 +46,7 @@ class CostModel:
     overhead_ns: float | None = None
     draft_token_ns: float = 0.0
     sequences: float = 1.0  # mean sessions per target step
+    plain_step_ns: float | None = None  # a target-only step (one token per session), as the target measured it
 
     def observe_verify(self, step_tokens: int, step_sequences: int, forward_ns: int) -> None:
         if step_tokens <= 0 or forward_ns <= 0:
@@ -67,6 +68,11 @@ class CostModel:
         if tokens > 0:
             per_token = forward_ns / tokens
             self.draft_token_ns += (per_token - self.draft_token_ns) * (DRAFT_EMA if self.draft_token_ns else 1.0)
+
+    def observe_plain_step(self, ns: float) -> None:
+        if ns > 0:
+            last = self.plain_step_ns
+            self.plain_step_ns = ns if last is None else last + EMA * (ns - last)
 
     def observe_overhead(self, ns: float) -> None:
         self.overhead_ns = ns if self.overhead_ns is None else self.overhead_ns + EMA * (ns - self.overhead_ns)

@@ -152,6 +152,7 @@ class Serving:
             self.settings.local_ngram,
             self.settings.plain_pipeline,
             self.settings.local_ngram_max,
+            self.settings.plain_burst_ms,
         )
 
     async def deltas(self, generation: Generation, stop: Sequence[str]) -> AsyncIterator[Delta]:

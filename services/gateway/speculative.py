@@ -41,6 +41,8 @@ from tandem.v1 import tandem_pb2 as pb
 log = logging.getLogger(__name__)
 
 PLAIN_PIPELINE = 2  # default target-only Verify calls in flight per request (see Generation._plain_tokens)
+PLAIN_BURST_MS = 40.0  # default time's worth of target-only tokens one Verify call asks for (Generation._plain_steps)
+MAX_PLAIN_STEPS = 16  # the most tokens one target-only call asks for, however short the steps
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class GenerationStats:
     predicted_ns: int = 0
     rounds: int = 0  # verify rounds that carried a draft
     verify_calls: int = 0  # all verify calls, with or without a draft
+    verify_steps: int = 0  # target steps those calls ran (a target-only call may run several: plain_steps)
     lookahead_rounds: int = 0  # rounds whose draft came from the n-gram lookahead, with no Propose call
     overlapped_rounds: int = 0  # rounds whose draft was drafted during the previous verification
     pipelined_rounds: int = 0  # rounds without a draft sent before the previous one's answer (see _lookup_stretch)
@@ -118,6 +121,7 @@ class GenerationStats:
             # tandem's own split of decode time, for benchmarks: compute inside each service vs everything else.
             "rounds": self.rounds,
             "verify_calls": self.verify_calls,
+            "verify_steps": self.verify_steps,
             "lookahead_rounds": self.lookahead_rounds,
             "overlapped_rounds": self.overlapped_rounds,
             "pipelined_rounds": self.pipelined_rounds,
@@ -153,9 +157,11 @@ class Generation:
         local_ngram: bool = False,
         plain_pipeline: int = PLAIN_PIPELINE,
         ngram_max: int = NGRAM_MAX,
+        plain_burst_ms: float = PLAIN_BURST_MS,
     ) -> None:
         self.up = upstreams
         self.plain_pipeline = plain_pipeline
+        self.plain_burst_ns = plain_burst_ms * 1e6
         self.metrics = metrics
         self.req = request
         self.timeout = rpc_timeout_s
@@ -386,37 +392,60 @@ class Generation:
     async def _plain_tokens(self) -> AsyncIterator[pb.Token]:
         """Target-only decoding with `plain_pipeline` Verify calls in flight for this session.
 
-        Each call's position is known in advance (one token per call), so the next call already waits at the target
-        when a step ends and its step starts at once, instead of a gRPC round trip later (~1.3 ms against a ~14 ms
-        step on the 2-core CPU). A call past the end (end of generation, a stop sequence, a client gone) computes one
-        token nobody reads; it is cancelled here and the session is closed right after.
+        Each call's position is known in advance, so the next call already waits at the target when a step ends and
+        its step starts at once, instead of a gRPC round trip later (~1.3 ms against a ~14 ms step on the 2-core
+        CPU). A call asks for several tokens where steps are short (`_plain_steps`): a message each way per token
+        costs the gateway and the target ~10% of a step there. A call past the end (end of generation, a stop
+        sequence, a client gone) computes tokens nobody reads; it is cancelled here and the session is closed right
+        after. A call that comes back short (its steps after the first failed) leaves the calls behind it at the
+        wrong position: they are cancelled and the next call, sent from where the session is, meets the error.
         """
-        inflight: deque[asyncio.Future] = deque()
+        inflight: deque[tuple[asyncio.Future, int]] = deque()
+        planned = 0  # tokens the calls in flight ask for
         try:
             while True:
-                while len(inflight) < self.plain_pipeline and self._produced + len(inflight) < self.req.max_tokens:
-                    position = self._target_pos + len(inflight)
-                    call = self._verify([], [], self._span, position=position, timed=False)
-                    inflight.append(asyncio.ensure_future(call))
+                while len(inflight) < self.plain_pipeline and self._produced + planned < self.req.max_tokens:
+                    n = self._plain_steps(self.req.max_tokens - self._produced - planned)
+                    position = self._target_pos + planned
+                    call = self._verify([], [], self._span, position=position, timed=False, steps=n)
+                    inflight.append((asyncio.ensure_future(call), n))
+                    planned += n
                 if not inflight:
                     return
-                result = await self._await_plain(inflight.popleft(), time.perf_counter_ns())
+                call, n = inflight.popleft()
+                planned -= n
+                expected = self._target_pos + n
+                result = await self._await_plain(call, time.perf_counter_ns())
                 for token in result.tokens:
                     last = self._emitted(token)
                     yield token
                     if last:
                         return
+                if result.position != expected:
+                    await self._cancel_calls([c for c, _ in inflight])
+                    inflight.clear()
+                    planned = 0
         finally:
-            await self._cancel_calls(inflight)
+            await self._cancel_calls([c for c, _ in inflight])
+
+    def _plain_steps(self, room: int) -> int:
+        """Tokens the next target-only call asks for: as many as the target computes in `plain_burst_ms` (its
+        measured one-token step), so that no token waits longer than that for the ones sent with it."""
+        step_ns = self.costs.plain_step_ns
+        if self.plain_burst_ns <= 0 or not step_ns:
+            return 1
+        return max(1, min(MAX_PLAIN_STEPS, room, int(self.plain_burst_ns // step_ns)))
 
     async def _await_plain(self, call: asyncio.Future, since: int) -> pb.VerifyResult:
         """The answer of a pipelined Verify call without drafts, accounted for: the wait since `since` counts as
-        verify time (the calls' own times overlap), and the step feeds the cost model and the round metrics."""
+        verify time (the calls' own times overlap), and the steps feed the cost model and the round metrics."""
         result, timing = await call
         self._target_pos = result.position
         round_ns = time.perf_counter_ns() - since
         self.stats.verify_ns += round_ns
-        self.costs.observe_verify(timing.step_tokens, timing.step_sequences, timing.forward_ns)
+        steps = max(timing.steps, 1)
+        self.costs.observe_verify(timing.step_tokens, timing.step_sequences, timing.forward_ns // steps)
+        self.costs.observe_plain_step(timing.forward_ns / steps)
         if self.metrics:
             self.metrics.observe_round(0, 0, round_ns, timing.forward_ns)
         return result
@@ -644,6 +673,7 @@ class Generation:
         position: int | None = None,
         timed: bool = True,
         unless: frozenset[int] | None = None,
+        steps: int = 1,
     ) -> tuple[pb.VerifyResult, pb.Timing]:
         v0 = time.perf_counter_ns()
         span = self._child("verify", round_span)
@@ -658,6 +688,7 @@ class Generation:
                             draft_distributions=dists,
                             **({"bonus_guess": guess} if guess is not None else {}),
                             unless_pending_in=sorted(unless) if unless else (),
+                            plain_steps=steps if steps > 1 else 0,
                         )
                     ],
                     **_traced(span),
@@ -671,6 +702,7 @@ class Generation:
             self.stats.verify_service_ns += reply.timing.total_ns
         self.stats.verify_forward_ns += reply.timing.forward_ns
         self.stats.verify_calls += 1
+        self.stats.verify_steps += max(reply.timing.steps, 1)
         return reply.results[0], reply.timing
 
     async def _close(self) -> None:

@@ -7,12 +7,14 @@ chunked job, so long prompts interleave with running streams.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import grpc
 
-from services.target.verifier import EmittedToken, OpenSpec, Verifier, VerifySpec
+from services.target.verifier import EmittedToken, OpenSpec, PlainChain, Verifier, VerifyResult, VerifySpec
 from tandem.convert import dist_from_pb, info_pb, sampling_from_pb, serving_stats
+from tandem.errors import InvalidArgument, TandemError
 from tandem.grpc_server import EngineWorker, ServiceLoading, stream_replies
 from tandem.scheduler import StepScheduler
 from tandem.v1 import tandem_pb2 as pb
@@ -33,6 +35,9 @@ class TargetServicer(pb_grpc.TargetServicer):
         self.verifier: Verifier | None = None
         self.scheduler: StepScheduler | None = None
         self._background: set[asyncio.Task] = set()
+        #: Multi-token plain calls in progress, by session: a call queued behind one (the gateway pipelines them)
+        #: waits for it to end, or its first step would run between that call's steps, at the wrong position.
+        self._chains: dict[str, asyncio.Future] = {}
         #: Whether a Verify carrying a bonus guess may run inline. Such a call means the draft is drafting ahead
         #: meanwhile; in one process (co-located) that draft must not wait behind a target step on the event loop.
         self.inline_guessed = True
@@ -129,7 +134,19 @@ class TargetServicer(pb_grpc.TargetServicer):
             )
             for item in request.items
         ]
-        results = await self.scheduler.batched("verify", specs)
+        steps = [max(item.plain_steps, 1) for item in request.items]
+        before = {self._chains[spec.session_id] for spec in specs if spec.session_id in self._chains}
+        if max(steps, default=1) > 1:
+            results, n_steps, forward_ns = await self._in_order(before, specs, self._plain_chains(specs, steps))
+        else:
+            if before:
+                await asyncio.gather(*before, return_exceptions=True)
+            results = await self.scheduler.batched("verify", specs)
+            n_steps, forward_ns = 1, results[0].step.forward_ns if results else 0
+        timing = self._timing(t0, f0, results[-1].step if results else None)
+        timing.steps = n_steps
+        if results:
+            timing.forward_ns = forward_ns
         return pb.VerifyResponse(
             results=[
                 pb.VerifyResult(
@@ -140,8 +157,61 @@ class TargetServicer(pb_grpc.TargetServicer):
                 )
                 for r in results
             ],
-            timing=self._timing(t0, f0, results[0].step if results else None),
+            timing=timing,
         )
+
+    async def _in_order(self, before: set[asyncio.Future], specs: list[VerifySpec], chains):
+        """Run a multi-token call after the ones ahead of it for the same sessions, and hold back the calls after it
+        (registered before the first await, so the order is the order the calls arrived in)."""
+        mine = asyncio.get_running_loop().create_future()
+        for spec in specs:
+            self._chains[spec.session_id] = mine
+        try:
+            if before:
+                await asyncio.gather(*before, return_exceptions=True)
+            return await chains
+        finally:
+            mine.set_result(None)
+            for spec in specs:
+                if self._chains.get(spec.session_id) is mine:
+                    del self._chains[spec.session_id]
+
+    async def _plain_chains(self, specs: list[VerifySpec], steps: list[int]) -> tuple[list[VerifyResult], int, int]:
+        """Several plain tokens per item (`VerifyItem.plain_steps`), one scheduler step each, so that every step
+        still batches with other sessions' calls; returns the items' results, the steps run and their forward time.
+        """
+        if any(spec.draft_tokens for spec in specs):
+            raise InvalidArgument("plain_steps above 1 needs items without draft tokens")
+        chains = [PlainChain(spec.position, n) for spec, n in zip(specs, steps, strict=True)]
+        first = [dataclasses.replace(spec, chain=chain) for spec, chain in zip(specs, chains, strict=True)]
+        results = list(await self.scheduler.batched("verify", first))  # the first step fails the call as a whole
+        n_steps, forward_ns = 1, results[0].step.forward_ns if results else 0
+        while True:
+            going = [
+                i
+                for i, (r, chain) in enumerate(zip(results, chains, strict=True))
+                if r.position < chain.start + chain.steps and not r.tokens[-1].is_eog
+            ]
+            if not going:
+                return results, n_steps, forward_ns
+            step = [
+                VerifySpec(
+                    specs[i].session_id,
+                    results[i].position,
+                    (),
+                    None,
+                    chain=dataclasses.replace(chains[i], earlier=results[i].tokens),
+                )
+                for i in going
+            ]
+            try:
+                answers = await self.scheduler.batched("verify", step)
+            except TandemError:
+                return results, n_steps, forward_ns  # the tokens so far stand; the next call meets the error
+            n_steps += 1
+            forward_ns += answers[0].step.forward_ns
+            for i, answer in zip(going, answers, strict=True):
+                results[i] = dataclasses.replace(answer, tokens=(*results[i].tokens, *answer.tokens))
 
     async def VerifyStream(self, requests, context: grpc.aio.ServicerContext):
         async for response in stream_replies(

@@ -48,6 +48,23 @@ class OpenResult:
 
 
 @dataclass(frozen=True)
+class PlainChain:
+    """A call that decodes several plain tokens, one step each (`VerifyItem.plain_steps`), as one of its steps sees it.
+
+    The steps are separate verify specs, so that each one batches with other sessions; the chain lets the verifier
+    answer an exact retry of the whole call from memory, as it does for a single step.
+    """
+
+    start: int  # the call's position
+    steps: int  # tokens it asks for
+    earlier: tuple[EmittedToken, ...] = ()  # tokens its earlier steps emitted
+
+    @property
+    def key(self) -> tuple:
+        return ("plain", self.start, self.steps)
+
+
+@dataclass(frozen=True)
 class VerifySpec:
     session_id: str
     position: int
@@ -55,6 +72,14 @@ class VerifySpec:
     draft_dists: Sequence[SparseDist] | None  # None: deterministic draft (greedy model or n-gram)
     bonus_guess: int | None = None  # overlapped drafting: the draft's guess for the target's own token
     unless_pending_in: frozenset[int] = frozenset()  # pipelined plain rounds: skip if the pending token is one of these
+    chain: PlainChain | None = None  # one step of a multi-token plain call
+
+    @property
+    def key(self) -> tuple:
+        """What an exact retry of this call repeats: a whole chain is keyed by its start (see PlainChain)."""
+        if self.chain is not None and self.position == self.chain.start:
+            return self.chain.key
+        return ("verify", self.position, tuple(self.draft_tokens))
 
 
 @dataclass(frozen=True)
@@ -213,7 +238,11 @@ class Verifier:
         )
         for (g, (session, spec)), rows in zip(work, all_rows, strict=True):
             result = dataclasses.replace(self._accept(session, spec, rows), step=step)
-            session.last_call = (("verify", spec.position, tuple(spec.draft_tokens)), result)
+            session.last_call = (spec.key, result)
+            chain = spec.chain
+            if chain is not None and (result.position >= chain.start + chain.steps or result.tokens[-1].is_eog):
+                whole = dataclasses.replace(result, tokens=(*chain.earlier, *result.tokens))
+                session.last_call = (chain.key, whole)  # the chain's last step: a retry of the call gets all of it
             outcomes[g][spec.session_id] = result
         return step_results(groups, outcomes)
 
@@ -230,8 +259,7 @@ class Verifier:
         checked = []
         for spec in specs:
             session = self.store.get(spec.session_id)
-            key = ("verify", spec.position, tuple(spec.draft_tokens))
-            hit = session.expect_position(spec.position, key)
+            hit = session.expect_position(spec.position, spec.key)
             if hit is None:
                 if spec.unless_pending_in and session.tokens[-1] in spec.unless_pending_in:
                     raise ConditionNotMet(
