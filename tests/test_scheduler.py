@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import pytest
 
@@ -386,3 +387,72 @@ def test_single_stream_inline_setting() -> None:
     assert DraftSettings().inline_steps(None)
     assert TargetSettings(single_stream_inline="on").inline_steps("CPU")
     assert not TargetSettings(single_stream_inline="off").inline_steps("CUDA")
+
+
+@dataclass(frozen=True)
+class _Step:
+    session_id: str
+    position: int
+    fail: bool = False
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["engine-thread", "inline"])
+def test_a_multi_step_call_batches_each_step_and_holds_back_its_session(inline: bool) -> None:
+    """A call with `then` (a multi-token target-only call) runs several steps; each of them batches with the other
+    calls waiting, a call for its session queued behind it runs only after its last step, and a failure at a later
+    step reaches `then`, which decides what the call returns."""
+    from tandem.scheduler import Again, plan_step, step_results
+
+    steps: list[list[_Step]] = []
+    positions = {"a": 0, "b": 0}
+
+    def check(specs):
+        for spec in specs:
+            if positions[spec.session_id] != spec.position:
+                raise InvalidArgument(f"{spec.session_id} is at {positions[spec.session_id]}, not {spec.position}")
+        return [(spec.session_id, None, (g, spec)) for g, spec in enumerate(specs)]
+
+    def verify(groups):
+        outcomes, work = plan_step(groups, check)
+        steps.append([spec for _, (_, spec) in work])
+        for g, (_, spec) in work:
+            if spec.fail:
+                outcomes[g] = InvalidArgument(f"{spec.session_id} failed at {spec.position}")
+            elif not isinstance(outcomes[g], BaseException):
+                positions[spec.session_id] = spec.position + 1
+                outcomes[g][spec.session_id] = spec.position
+        return step_results(groups, outcomes)
+
+    def chain(sid: str, start: int, n: int, fail_at: int | None = None):
+        done: list[int] = []
+
+        def then(outcome):
+            if isinstance(outcome, BaseException):
+                return done if done else outcome
+            done.extend(outcome)
+            pos = start + len(done)
+            return done if len(done) == n else Again([_Step(sid, pos, pos == fail_at)])
+
+        return [_Step(sid, start, start == fail_at)], then
+
+    async def main():
+        scheduler = verify_scheduler(verify, inline=(lambda _: True) if inline else None)
+        first, then = chain("a", 0, 4)
+        async with engine_busy(scheduler):
+            a = asyncio.create_task(scheduler.batched("verify", first, then=then))
+            b = asyncio.create_task(scheduler.batched("verify", [_Step("b", 0)]))
+            behind = asyncio.create_task(scheduler.batched("verify", [_Step("a", 4)]))
+        results = await asyncio.gather(a, b, behind)
+        failing, then = chain("b", 1, 5, fail_at=3)
+        partial = await scheduler.batched("verify", failing, then=then)
+        failing, then = chain("b", 3, 2, fail_at=3)
+        with pytest.raises(InvalidArgument):
+            await scheduler.batched("verify", failing, then=then)
+        return results, partial
+
+    (a, b, behind), partial = run(main())
+    assert a == [0, 1, 2, 3] and b == [0] and behind == [4]
+    assert steps[0] == [_Step("a", 0), _Step("b", 0)]  # the first step batched both sessions
+    assert [spec.position for step in steps for spec in step if spec.session_id == "a"] == [0, 1, 2, 3, 4]
+    assert partial == [1, 2]  # the step at 3 failed: the tokens so far stand
+    assert positions["b"] == 3

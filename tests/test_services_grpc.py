@@ -455,3 +455,64 @@ def test_plain_steps_end_early_at_end_of_text_and_at_a_full_context(target_chann
     full = pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=result.position)])
     assert _code(lambda: stub.Verify(full)) == grpc.StatusCode.INVALID_ARGUMENT
     stub.Close(pb.CloseRequest(session_ids=[sid]))
+
+
+def test_a_cancelled_call_behind_a_multi_token_call_leaves_it_alone(target_channel: grpc.Channel) -> None:
+    """The gateway cancels pipelined calls it no longer needs (end of text, a client gone). A call waiting behind a
+    multi-token call of its session that is cancelled must not cancel or break the call it waits for."""
+    stub = pb_grpc.TargetStub(target_channel)
+    prompt = _prompt(stub)
+    reference = _single_steps(stub, prompt, 12)
+    sid = _sid()
+    pos = (
+        stub.Open(
+            pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY, logprobs=True)])
+        )
+        .results[0]
+        .position
+    )
+    ahead = stub.Verify.future(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=12)]))
+    behind = stub.Verify.future(
+        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos + 12, plain_steps=4)])
+    )
+    behind.cancel()
+    assert list(ahead.result(timeout=60).results[0].tokens) == reference
+    after = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos + 12)]))
+    assert after.results[0].position == pos + 13
+    stub.Close(pb.CloseRequest(session_ids=[sid]))
+
+
+def test_calls_wait_in_order_behind_a_multi_token_call_and_a_cancelled_waiter_changes_nothing() -> None:
+    """The target's ordering of calls behind a multi-token call, in-process (deterministic): a waiter runs after the
+    call ahead of it, and cancelling a waiter neither cancels nor breaks the call it waits for."""
+    import asyncio
+
+    from services.target.servicer import TargetServicer
+    from services.target.verifier import VerifySpec
+
+    spec = VerifySpec("s", 0, (), None)
+
+    async def main() -> list[str]:
+        servicer = TargetServicer(worker=None)  # type: ignore[arg-type]  # _in_order needs no engine
+        gate, order = asyncio.Event(), []
+
+        async def job(name: str) -> str:
+            if name == "ahead":
+                await gate.wait()
+            order.append(name)
+            return name
+
+        ahead = asyncio.create_task(servicer._in_order(set(), [spec], lambda: job("ahead")))
+        await asyncio.sleep(0)
+        waiter = asyncio.create_task(servicer._in_order({servicer._chains["s"]}, [spec], lambda: job("cancelled")))
+        behind = asyncio.create_task(servicer._in_order({servicer._chains["s"]}, [spec], lambda: job("behind")))
+        await asyncio.sleep(0)
+        waiter.cancel()
+        await asyncio.sleep(0)
+        assert not ahead.done() and not behind.done()
+        gate.set()
+        assert await ahead == "ahead" and await behind == "behind"
+        assert waiter.cancelled() and not servicer._chains
+        return order
+
+    assert asyncio.run(main()) == ["ahead", "behind"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 
@@ -16,9 +18,11 @@ from services.target.verifier import EmittedToken, OpenSpec, PlainChain, Verifie
 from tandem.convert import dist_from_pb, info_pb, sampling_from_pb, serving_stats
 from tandem.errors import InvalidArgument, TandemError
 from tandem.grpc_server import EngineWorker, ServiceLoading, stream_replies
-from tandem.scheduler import StepScheduler
+from tandem.scheduler import Again, StepScheduler
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
 
 
 def token_to_pb(token: EmittedToken) -> pb.Token:
@@ -27,6 +31,54 @@ def token_to_pb(token: EmittedToken) -> pb.Token:
         msg.logprob = token.logprob
         msg.top_logprobs.extend(pb.TopLogprob(id=t, piece=piece, logprob=lp) for t, piece, lp in token.top_logprobs)
     return msg
+
+
+class _PlainRun:
+    """One multi-token call's progress between its steps. `then` runs where each step ran (the engine thread, or the
+    serving thread for an inline step) and says what to compute next: see StepScheduler.batched."""
+
+    def __init__(self, specs: list[VerifySpec], steps: list[int]) -> None:
+        self.specs = specs
+        self.chains = [PlainChain(spec.position, n) for spec, n in zip(specs, steps, strict=True)]
+        self.results: list[VerifyResult] | None = None
+        self.going = list(range(len(specs)))  # items that want more tokens
+        self.steps = 0
+        self.forward_ns = 0
+
+    def first(self) -> list[VerifySpec]:
+        return [dataclasses.replace(spec, chain=chain) for spec, chain in zip(self.specs, self.chains, strict=True)]
+
+    def then(self, outcome: list[VerifyResult] | BaseException) -> Again | list[VerifyResult] | BaseException:
+        if isinstance(outcome, BaseException):
+            if self.results is None or not isinstance(outcome, TandemError):
+                return outcome  # the first step fails the call as a whole
+            return self.results  # the tokens so far stand; the next call meets the error
+        self.steps += 1
+        self.forward_ns += outcome[0].step.forward_ns if outcome else 0
+        if self.results is None:
+            self.results = list(outcome)
+        else:
+            for i, answer in zip(self.going, outcome, strict=True):
+                self.results[i] = dataclasses.replace(answer, tokens=(*self.results[i].tokens, *answer.tokens))
+        self.going = [
+            i
+            for i, (r, chain) in enumerate(zip(self.results, self.chains, strict=True))
+            if r.position < chain.start + chain.steps and not r.tokens[-1].is_eog
+        ]
+        if not self.going:
+            return self.results
+        return Again(
+            [
+                VerifySpec(
+                    self.specs[i].session_id,
+                    self.results[i].position,
+                    (),
+                    None,
+                    chain=dataclasses.replace(self.chains[i], earlier=self.results[i].tokens),
+                )
+                for i in self.going
+            ]
+        )
 
 
 class TargetServicer(pb_grpc.TargetServicer):
@@ -137,10 +189,10 @@ class TargetServicer(pb_grpc.TargetServicer):
         steps = [max(item.plain_steps, 1) for item in request.items]
         before = {self._chains[spec.session_id] for spec in specs if spec.session_id in self._chains}
         if max(steps, default=1) > 1:
-            results, n_steps, forward_ns = await self._in_order(before, specs, self._plain_chains(specs, steps))
+            results, n_steps, forward_ns = await self._in_order(before, specs, lambda: self._plain_chains(specs, steps))
         else:
             if before:
-                await asyncio.gather(*before, return_exceptions=True)
+                await asyncio.wait(before)  # not gather: a waiter that is cancelled must not cancel what it waits on
             results = await self.scheduler.batched("verify", specs)
             n_steps, forward_ns = 1, results[0].step.forward_ns if results else 0
         timing = self._timing(t0, f0, results[-1].step if results else None)
@@ -160,7 +212,9 @@ class TargetServicer(pb_grpc.TargetServicer):
             timing=timing,
         )
 
-    async def _in_order(self, before: set[asyncio.Future], specs: list[VerifySpec], chains):
+    async def _in_order(
+        self, before: set[asyncio.Future], specs: list[VerifySpec], run: Callable[[], Awaitable[T]]
+    ) -> T:
         """Run a multi-token call after the ones ahead of it for the same sessions, and hold back the calls after it
         (registered before the first await, so the order is the order the calls arrived in)."""
         mine = asyncio.get_running_loop().create_future()
@@ -168,8 +222,8 @@ class TargetServicer(pb_grpc.TargetServicer):
             self._chains[spec.session_id] = mine
         try:
             if before:
-                await asyncio.gather(*before, return_exceptions=True)
-            return await chains
+                await asyncio.wait(before)  # not gather: a waiter that is cancelled must not cancel what it waits on
+            return await run()
         finally:
             mine.set_result(None)
             for spec in specs:
@@ -182,36 +236,9 @@ class TargetServicer(pb_grpc.TargetServicer):
         """
         if any(spec.draft_tokens for spec in specs):
             raise InvalidArgument("plain_steps above 1 needs items without draft tokens")
-        chains = [PlainChain(spec.position, n) for spec, n in zip(specs, steps, strict=True)]
-        first = [dataclasses.replace(spec, chain=chain) for spec, chain in zip(specs, chains, strict=True)]
-        results = list(await self.scheduler.batched("verify", first))  # the first step fails the call as a whole
-        n_steps, forward_ns = 1, results[0].step.forward_ns if results else 0
-        while True:
-            going = [
-                i
-                for i, (r, chain) in enumerate(zip(results, chains, strict=True))
-                if r.position < chain.start + chain.steps and not r.tokens[-1].is_eog
-            ]
-            if not going:
-                return results, n_steps, forward_ns
-            step = [
-                VerifySpec(
-                    specs[i].session_id,
-                    results[i].position,
-                    (),
-                    None,
-                    chain=dataclasses.replace(chains[i], earlier=results[i].tokens),
-                )
-                for i in going
-            ]
-            try:
-                answers = await self.scheduler.batched("verify", step)
-            except TandemError:
-                return results, n_steps, forward_ns  # the tokens so far stand; the next call meets the error
-            n_steps += 1
-            forward_ns += answers[0].step.forward_ns
-            for i, answer in zip(going, answers, strict=True):
-                results[i] = dataclasses.replace(answer, tokens=(*results[i].tokens, *answer.tokens))
+        run = _PlainRun(specs, steps)
+        results = await self.scheduler.batched("verify", run.first(), then=run.then)
+        return results, run.steps, run.forward_ns
 
     async def VerifyStream(self, requests, context: grpc.aio.ServicerContext):
         async for response in stream_replies(
