@@ -135,6 +135,13 @@ profile)
     ${PYSPY:+--py-spy /tmp/site/bin/py-spy} ${PROFILE_ARGS:-} --out "$OUT/profile-${TARGET_SHAPE:-70b}-${LABEL:-now}" 2>&1
   rm -f "$OUT"/profile-*/*.gguf
   ;;
+plain-ab)
+  # Target-only with several tokens per Verify call against one (bench.gpu.plain_ab), after synth-setup (MODELS with
+  # 8b and 70b); PEER=1 adds llama-server's plain decoding (after the `peer` stage).
+  python3 -m bench.gpu.plain_ab --models /tmp/models --shapes "${SHAPES:-8b,70b}" --colocated "${COLOCATED:-8b}" \
+    ${PEER:+--peer "$W/ls-build/bin/llama-server"} --reps "${REPS:-3}" --out "$OUT/plain-ab" 2>&1
+  rm -rf "$OUT"/plain-ab/logs/*.gguf 2>/dev/null || true
+  ;;
 synth-bench)
   # Issue 8: PAIRS=70b:1b ONLY=both|tandem|peer; results to $OUT.
   python3 -m bench.gpu.synth --models /tmp/models --pairs "${PAIRS:-70b:1b}" --placements "${PLACES:-GPU 1,same GPU,CPU}" \
