@@ -14,7 +14,15 @@ from typing import TypeVar
 
 import grpc
 
-from services.target.verifier import EmittedToken, OpenSpec, PlainChain, Verifier, VerifyResult, VerifySpec
+from services.target.verifier import (
+    EmittedToken,
+    OpenSpec,
+    PlainChain,
+    StepShape,
+    Verifier,
+    VerifyResult,
+    VerifySpec,
+)
 from tandem.convert import dist_from_pb, info_pb, sampling_from_pb, serving_stats
 from tandem.errors import InvalidArgument, TandemError
 from tandem.grpc_server import EngineWorker, ServiceLoading, stream_replies
@@ -44,6 +52,8 @@ class _PlainRun:
         self.going = list(range(len(specs)))  # items that want more tokens
         self.steps = 0
         self.forward_ns = 0
+        self.step_tokens = 0  # summed over the steps, with the sessions they shared a pass with
+        self.step_sequences = 0
 
     def first(self) -> list[VerifySpec]:
         return [dataclasses.replace(spec, chain=chain) for spec, chain in zip(self.specs, self.chains, strict=True)]
@@ -54,7 +64,11 @@ class _PlainRun:
                 return outcome  # the first step fails the call as a whole
             return self.results  # the tokens so far stand; the next call meets the error
         self.steps += 1
-        self.forward_ns += outcome[0].step.forward_ns if outcome else 0
+        if outcome:
+            step = outcome[0].step
+            self.forward_ns += step.forward_ns
+            self.step_tokens += step.tokens
+            self.step_sequences += step.sequences
         if self.results is None:
             self.results = list(outcome)
         else:
@@ -189,16 +203,19 @@ class TargetServicer(pb_grpc.TargetServicer):
         steps = [max(item.plain_steps, 1) for item in request.items]
         before = {self._chains[spec.session_id] for spec in specs if spec.session_id in self._chains}
         if max(steps, default=1) > 1:
-            results, n_steps, forward_ns = await self._in_order(before, specs, lambda: self._plain_chains(specs, steps))
+            run = _PlainRun(specs, steps)
+            results = await self._in_order(before, specs, lambda: self._plain_chains(run))
+            # The steps' mean shape against their mean forward time: a point the caller's cost model can fit (the
+            # last step's shape against the mean time was not, once other sessions joined some of the steps).
+            shape = StepShape(round(run.step_sequences / run.steps), round(run.step_tokens / run.steps), run.forward_ns)
+            timing = self._timing(t0, f0, shape)
+            timing.steps = run.steps
         else:
             if before:
                 await asyncio.wait(before)  # not gather: a waiter that is cancelled must not cancel what it waits on
             results = await self.scheduler.batched("verify", specs)
-            n_steps, forward_ns = 1, results[0].step.forward_ns if results else 0
-        timing = self._timing(t0, f0, results[-1].step if results else None)
-        timing.steps = n_steps
-        if results:
-            timing.forward_ns = forward_ns
+            timing = self._timing(t0, f0, results[0].step if results else None)
+            timing.steps = 1
         return pb.VerifyResponse(
             results=[
                 pb.VerifyResult(
@@ -230,15 +247,12 @@ class TargetServicer(pb_grpc.TargetServicer):
                 if self._chains.get(spec.session_id) is mine:
                     del self._chains[spec.session_id]
 
-    async def _plain_chains(self, specs: list[VerifySpec], steps: list[int]) -> tuple[list[VerifyResult], int, int]:
+    async def _plain_chains(self, run: _PlainRun) -> list[VerifyResult]:
         """Several plain tokens per item (`VerifyItem.plain_steps`), one scheduler step each, so that every step
-        still batches with other sessions' calls; returns the items' results, the steps run and their forward time.
-        """
-        if any(spec.draft_tokens for spec in specs):
+        still batches with other sessions' calls; `run` keeps the steps' count and times."""
+        if any(spec.draft_tokens for spec in run.specs):
             raise InvalidArgument("plain_steps above 1 needs items without draft tokens")
-        run = _PlainRun(specs, steps)
-        results = await self.scheduler.batched("verify", run.first(), then=run.then)
-        return results, run.steps, run.forward_ns
+        return await self.scheduler.batched("verify", run.first(), then=run.then)
 
     async def VerifyStream(self, requests, context: grpc.aio.ServicerContext):
         async for response in stream_replies(
