@@ -339,13 +339,17 @@ def test_verify_stream_answers_by_request_id_with_in_band_errors(target_channel:
     stub.Close(pb.CloseRequest(session_ids=[sid]))
 
 
+def _open(stub: pb_grpc.TargetStub, prompt: list[int], sampling=GREEDY, logprobs: bool = False) -> tuple[str, int]:
+    """A new session on `prompt`: its id and its position after the first token."""
+    sid = _sid()
+    item = pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=sampling, logprobs=logprobs)
+    return sid, stub.Open(pb.OpenRequest(items=[item])).results[0].position
+
+
 def _single_steps(stub: pb_grpc.TargetStub, prompt: list[int], n: int, sampling=GREEDY) -> list[pb.Token]:
     """n target-only tokens after the first, one Verify call each: the reference for multi-token calls."""
-    sid = _sid()
-    opened = stub.Open(
-        pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=sampling, logprobs=True)])
-    ).results[0]
-    tokens, pos = [], opened.position
+    sid, pos = _open(stub, prompt, sampling, logprobs=True)
+    tokens = []
     for _ in range(n):
         r = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos)])).results[0]
         tokens.extend(r.tokens)
@@ -363,16 +367,7 @@ def test_plain_steps_answer_several_tokens_exactly_as_single_calls(target_channe
     stub = pb_grpc.TargetStub(target_channel)
     prompt = _prompt(stub)
     reference = _single_steps(stub, prompt, 9, sampling)
-    sid = _sid()
-    pos = (
-        stub.Open(
-            pb.OpenRequest(
-                items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=sampling, logprobs=True)]
-            )
-        )
-        .results[0]
-        .position
-    )
+    sid, pos = _open(stub, prompt, sampling, logprobs=True)
     request = pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=5)])
     reply = stub.Verify(request)
     (result,) = reply.results
@@ -428,12 +423,7 @@ def test_plain_steps_end_early_at_end_of_text_and_at_a_full_context(target_chann
         "<|im_start|>user\nWhat is 2+2? Answer with one number.<|im_end|>\n<|im_start|>assistant\n"
     )  # the model answers "The answer is 4." and ends
     prompt = list(stub.Tokenize(pb.TokenizeRequest(text=chat, parse_special=True)).token_ids)
-    sid = _sid()
-    pos = (
-        stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)]))
-        .results[0]
-        .position
-    )
+    sid, pos = _open(stub, prompt)
     tokens = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=200)]))
     tokens = tokens.results[0].tokens
     assert tokens[-1].is_eog and len(tokens) < 200
@@ -442,12 +432,7 @@ def test_plain_steps_end_early_at_end_of_text_and_at_a_full_context(target_chann
 
     n_ctx = stub.Info(pb.InfoRequest()).context_size
     long_prompt = (_prompt(stub, "one two three four five six seven eight " * 300))[: n_ctx - 8]
-    sid = _sid()
-    pos = (
-        stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=long_prompt, sampling=GREEDY)]))
-        .results[0]
-        .position
-    )
+    sid, pos = _open(stub, long_prompt)
     reply = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=16)]))
     (result,) = reply.results
     assert result.position == n_ctx and len(result.tokens) == n_ctx - pos
@@ -463,14 +448,7 @@ def test_a_cancelled_call_behind_a_multi_token_call_leaves_it_alone(target_chann
     stub = pb_grpc.TargetStub(target_channel)
     prompt = _prompt(stub)
     reference = _single_steps(stub, prompt, 12)
-    sid = _sid()
-    pos = (
-        stub.Open(
-            pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY, logprobs=True)])
-        )
-        .results[0]
-        .position
-    )
+    sid, pos = _open(stub, prompt, logprobs=True)
     ahead = stub.Verify.future(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=12)]))
     behind = stub.Verify.future(
         pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos + 12, plain_steps=4)])

@@ -73,12 +73,8 @@ class _PlainRun:
             self.results = list(outcome)
         else:
             for i, answer in zip(self.going, outcome, strict=True):
-                self.results[i] = dataclasses.replace(answer, tokens=(*self.results[i].tokens, *answer.tokens))
-        self.going = [
-            i
-            for i, (r, chain) in enumerate(zip(self.results, self.chains, strict=True))
-            if r.position < chain.start + chain.steps and not r.tokens[-1].is_eog
-        ]
+                self.results[i] = answer  # it carries the call's earlier tokens too (PlainChain.earlier)
+        self.going = [i for i, chain in enumerate(self.chains) if not chain.done(self.results[i])]
         if not self.going:
             return self.results
         return Again(

@@ -63,6 +63,10 @@ class PlainChain:
     def key(self) -> tuple:
         return ("plain", self.start, self.steps)
 
+    def done(self, result: VerifyResult) -> bool:
+        """Whether the call ends with this step's result: all its tokens are out, or the last ended the text."""
+        return result.position >= self.start + self.steps or result.tokens[-1].is_eog
+
 
 @dataclass(frozen=True)
 class VerifySpec:
@@ -240,9 +244,10 @@ class Verifier:
             result = dataclasses.replace(self._accept(session, spec, rows), step=step)
             session.last_call = (spec.key, result)
             chain = spec.chain
-            if chain is not None and (result.position >= chain.start + chain.steps or result.tokens[-1].is_eog):
-                whole = dataclasses.replace(result, tokens=(*chain.earlier, *result.tokens))
-                session.last_call = (chain.key, whole)  # the chain's last step: a retry of the call gets all of it
+            if chain is not None:  # one step of a multi-token call: answer with all of the call's tokens so far
+                result = dataclasses.replace(result, tokens=(*chain.earlier, *result.tokens))
+                if chain.done(result):
+                    session.last_call = (chain.key, result)  # an exact retry of the whole call gets all of it
             outcomes[g][spec.session_id] = result
         return step_results(groups, outcomes)
 
