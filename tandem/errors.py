@@ -30,7 +30,7 @@ class PositionMismatch(TandemError):
 
 
 class ConditionNotMet(TandemError):
-    """A conditional call's condition did not hold (see VerifyItem.unless_pending_in): state was not touched."""
+    """A conditional call's condition did not hold (VerifyItem.unless_pending_in, stop_at_repeat): nothing changed."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
 

@@ -6,7 +6,7 @@ per round, no model) and right when the output repeats the input, as code edits,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 NGRAM_MIN = 2  # shortest suffix matched by default: a one-token match drafts noise
 NGRAM_MAX = 16  # longest suffix looked up by default
@@ -32,7 +32,6 @@ class NgramIndex:
         self.follow: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in lengths}
         self._longest_first = sorted(self.follow, reverse=True)
         self.indexed = 0  # tokens[:indexed] are in the index
-        self.successors: dict[int, set[int]] = {}  # token -> every token that followed it (for draft_triggers)
 
     def extend(self, tokens: Sequence[int]) -> None:
         # The n-gram ending just before position j is followed by tokens[j].
@@ -40,21 +39,19 @@ class NgramIndex:
             for n, table in self.follow.items():
                 if j >= n:
                     table[tuple(tokens[j - n : j])] = j
-            self.successors.setdefault(tokens[j - 1], set()).add(tokens[j])
         self.indexed = len(tokens)
 
-    def match(self, tokens: Sequence[int], then: int | None = None) -> tuple[int, int]:
+    def match(self, tokens: Sequence[int]) -> tuple[int, int]:
         """(position that follows the best earlier occurrence of the sequence's suffix, matched length), or (-1, 0).
 
         The best occurrence is the latest one of the longest indexed suffix; its matched length is then counted
-        exactly, up to MATCH_CAP tokens. With `then`, the sequence is tokens + [then], without copying tokens (a
-        lookup ahead of the next token: see PromptLookup.draft_triggers).
+        exactly, up to MATCH_CAP tokens.
         """
-        end = len(tokens) + (then is not None)
+        end = len(tokens)
         for n in self._longest_first:
             if n > end:
                 continue
-            key = tuple(tokens[end - n :]) if then is None else (*tokens[end - n : end - 1], then)
+            key = tuple(tokens[end - n :])
             j = self.follow[n].get(key)
             if j is not None:
                 m = n
@@ -117,30 +114,46 @@ class PromptLookup:
         draft, self.last_match = ngram_draft_matched(self.index, self.tokens, max_tokens)
         return draft
 
-    def draft_triggers(
-        self, committed: Sequence[int], max_tokens: int, keeps: Callable[[int, int], bool], limit: int = 256
-    ) -> frozenset[int] | None:
-        """The tokens after which the next `propose` would draft something `keeps(match_len, drafted)` accepts.
 
-        For pipelining rounds without a draft: while the target computes the next token t, the caller can already
-        send the round after it, to be skipped if t is one of these. Any other t gives no draft, exactly as if the
-        caller had waited for t and looked it up. A draft needs a match of at least two tokens, so t must have
-        followed the current last token before; each such candidate is looked up in full (~1.5 us each). Returns None
-        when more than `limit` tokens have followed it (too costly to check each round: do not pipeline).
-        """
-        self.tokens.extend(committed)
-        self.index.extend(self.tokens)
-        last = self.tokens[-1]
-        candidates = self.index.successors.get(last, set())
-        if len(candidates) > limit:
-            return None
-        # A repeated token can match the n-gram that the next extend indexes (ending at the current last token):
-        # listed without a lookup, it only costs a pipelined round.
-        triggers = {last}
-        for t in candidates:
-            # The backward count of the match length never reaches t: it starts n >= 2 tokens before the end.
-            j, m = self.index.match(self.tokens, then=t)
-            n = draft_size(j, m, len(self.tokens) + 1, max_tokens)  # the sequence is tokens + [t]
-            if n > 0 and keeps(m, n):
-                triggers.add(t)
-        return frozenset(triggers)
+class RepeatWatch:
+    """Whether a growing sequence ends with an n-gram that occurred earlier in it: where prompt lookup can draft.
+
+    The gateway's lookup drafts only behind a suffix match of at least some length n. A target-only call that
+    decodes several tokens (`VerifyItem.stop_at_repeat`) must stop at the first token after which the lookup could
+    draft, and the gateway must tell, from the tokens it got back, whether the call behind it will be skipped. Both
+    sides ask this class the same question about the same sequence, so they cannot disagree.
+
+    The sequence only grows between calls (a caller that shortens it starts a new watch). The index holds each
+    n-gram that ends before the last token (one that has a follower); a call indexes only the new tokens.
+    """
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"n must be at least 1, got {n}")
+        self.n = n
+        self._seen: set[tuple[int, ...]] = set()
+        self._indexed = 0  # the n-grams followed by a token before position _indexed are in _seen
+
+    def ends_with_repeat(self, tokens: Sequence[int]) -> bool:
+        n, end = self.n, len(tokens)
+        for stop in range(max(self._indexed, n), end):  # tokens[stop - n:stop] is followed by tokens[stop]
+            self._seen.add(tuple(tokens[stop - n : stop]))
+        self._indexed = max(self._indexed, end)
+        return end > n and tuple(tokens[end - n :]) in self._seen
+
+
+class RepeatWatches:
+    """RepeatWatch objects of one sequence, by n (the length a caller asks for may change from call to call)."""
+
+    LIMIT = 4  # lengths kept; an older one is rebuilt if asked for again
+
+    def __init__(self) -> None:
+        self._by_length: dict[int, RepeatWatch] = {}
+
+    def ends_with_repeat(self, tokens: Sequence[int], n: int) -> bool:
+        watch = self._by_length.get(n)
+        if watch is None:
+            if len(self._by_length) >= self.LIMIT:
+                self._by_length.pop(next(iter(self._by_length)))
+            watch = self._by_length[n] = RepeatWatch(n)
+        return watch.ends_with_repeat(tokens)

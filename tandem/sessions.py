@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from tandem.errors import InvalidArgument, PositionMismatch, ResourceExhausted, SessionNotFound
+from tandem.ngram import RepeatWatches
 from tandem.sampling import SamplingParams
 
 
@@ -41,10 +42,18 @@ class Session:
     #: Logits of the last prompt token (target). Kept with the slot, so that a repeat of the same prompt starts from
     #: the very row a cold prefill computed (recomputing it alone can round differently and change greedy text).
     prompt_row: Any = None
+    #: Where the caller's prompt lookup could draft (VerifyItem.stop_at_repeat); built on first use.
+    repeats: RepeatWatches | None = None
 
     @property
     def position(self) -> int:
         return len(self.tokens)
+
+    def ends_with_repeat(self, n: int) -> bool:
+        """Whether the sequence ends with n tokens that occurred together earlier in it."""
+        if self.repeats is None:
+            self.repeats = RepeatWatches()
+        return self.repeats.ends_with_repeat(self.tokens, n)
 
     def expect_position(self, position: int, key: Hashable) -> Any | None:
         """Check a call keyed by position; return the cached answer when it is an exact retry of the last call."""
@@ -200,6 +209,7 @@ class SessionStore:
         for session, pos in sessions:
             del session.tokens[pos:]
             session.last_call = None
+            session.repeats = None  # its watches index only a growing sequence
         return [session for session, _ in sessions]
 
     def close(self, session_id: str) -> Session | None:

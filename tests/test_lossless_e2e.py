@@ -59,7 +59,7 @@ def _chat(gateway: Service, prompt: str, n_max: int, **extra) -> dict:
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "logprobs": True,
-        "top_logprobs": 2,
+        "top_logprobs": 5,  # enough to see every near-tied candidate at a first difference
         "speculative.n_max": n_max,
         "speculative.adaptive": False,  # a fixed draft length, so that acceptance figures compare across runs
         **extra,
@@ -76,6 +76,12 @@ def _tokens(reply: dict) -> list[dict]:
 def _margin(entry: dict) -> float:
     top = entry["top_logprobs"]
     return top[0]["logprob"] - top[1]["logprob"]
+
+
+def _behind_top(entry: dict, token: str) -> float:
+    """How far `token` trails the top candidate of this evaluation, in logprob (inf: not among its top_logprobs)."""
+    top = entry["top_logprobs"]
+    return next((top[0]["logprob"] - t["logprob"] for t in top if t["token"] == token), float("inf"))
 
 
 @pytest.fixture(scope="module")
@@ -134,12 +140,16 @@ def test_self_draft_batched_verify(model_gateway: Service, plain_runs: list[dict
         if not same:
             i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x["token"] != y["token"]), None)
             assert i is not None, "texts differ but tokens agree up to the shorter length"
-            row.update(first_diff=i, margin_plain=_margin(a[i]), margin_spec=_margin(b[i]))
-            # The two evaluations saw the same prefix; they must disagree only where the top two are nearly tied,
-            # and each must have the other's choice as its runner-up.
-            assert row["margin_plain"] < NEAR_TIE and row["margin_spec"] < NEAR_TIE, row
-            assert a[i]["top_logprobs"][1]["token"] == b[i]["token"], row
-            assert b[i]["top_logprobs"][1]["token"] == a[i]["token"], row
+            row.update(
+                first_diff=i,
+                plain_top=[(t["token"], round(t["logprob"], 4)) for t in a[i]["top_logprobs"][:3]],
+                spec_top=[(t["token"], round(t["logprob"], 4)) for t in b[i]["top_logprobs"][:3]],
+            )
+            # The two evaluations saw the same prefix; they may disagree only where candidates are nearly tied: in
+            # each, the other's choice trails the top by less than NEAR_TIE. (Not "is the runner-up": with three
+            # near-tied candidates the batch's rounding can reorder all three, as seen on an AMD EPYC host.)
+            assert _behind_top(a[i], b[i]["token"]) < NEAR_TIE, row
+            assert _behind_top(b[i], a[i]["token"]) < NEAR_TIE, row
         rows.append(row)
     acceptance = accepted / drafted
     agreement = sum(r["same_text"] for r in rows) / len(rows)
@@ -304,9 +314,9 @@ def exact_local_serial_gateway(exact_target: Service, service_tmp: Path) -> Iter
 def test_pipelined_rounds_without_a_draft_change_nothing(
     exact_local_gateway: Service, exact_local_serial_gateway: Service, sampling: dict
 ) -> None:
-    """Free prose repeats little, so most rounds have no draft and go out pipelined (each one conditional on the
-    token before it not being one the lookup would draft after). The text, token for token, and the drafts must be
-    those of the same gateway sending one call at a time, greedy and seeded sampling alike."""
+    """Free prose repeats little, so most rounds have no draft and go out pipelined (each one refused by the target
+    if the sequence before it ends where the lookup could draft: `stop_at_repeat`). The text, token for token, and
+    the drafts must be those of the same gateway sending one call at a time, greedy and seeded sampling alike."""
     pipelined = _chat(exact_local_gateway, PROMPTS[2], n_max=8, **sampling)
     serial = _chat(exact_local_serial_gateway, PROMPTS[2], n_max=8, **sampling)
     assert pipelined["choices"][0]["message"]["content"] == serial["choices"][0]["message"]["content"]
@@ -314,6 +324,32 @@ def test_pipelined_rounds_without_a_draft_change_nothing(
     for key in ("draft_n", "draft_n_accepted", "predicted_n", "draft_length_mean"):
         assert pipelined["timings"][key] == serial["timings"][key], key
     assert pipelined["timings"]["verify_calls"] == serial["timings"]["verify_calls"]  # skipped calls do not count
+
+
+@pytest.fixture(scope="module")
+def exact_local_burst_gateway(exact_target: Service, service_tmp: Path) -> Iterator[Service]:
+    """Prompt lookup in the gateway, and a second's worth of target-only steps per call between its drafts."""
+    service = start_gateway(exact_target.address, None, service_tmp, "--local-ngram", "--plain-burst-ms", "1000")
+    yield service
+    service.stop()
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "seed": 11, "logprobs": False, "top_logprobs": None}])
+def test_lookup_stretches_of_several_tokens_a_call_change_nothing(
+    exact_local_burst_gateway: Service, exact_local_serial_gateway: Service, sampling: dict
+) -> None:
+    """Between drafts, the gateway's lookup lets the target decode several tokens a call, up to the next repeat it
+    could draft behind (`stop_at_repeat`). Text, drafts and acceptance must be those of one call per round, greedy
+    and seeded sampling alike, with far fewer calls."""
+    for prompt in (PROMPTS[2], PROMPTS[0]):  # free prose (few drafts), code (more)
+        burst = _chat(exact_local_burst_gateway, prompt, n_max=8, **sampling)
+        serial = _chat(exact_local_serial_gateway, prompt, n_max=8, **sampling)
+        assert burst["choices"][0]["message"]["content"] == serial["choices"][0]["message"]["content"]
+        for key in ("draft_n", "draft_n_accepted", "predicted_n", "rounds"):
+            assert burst["timings"][key] == serial["timings"][key], key
+        assert serial["timings"]["verify_calls"] == serial["timings"]["verify_steps"]
+        assert burst["timings"]["verify_steps"] == serial["timings"]["verify_steps"]  # the same rounds...
+        assert burst["timings"]["verify_calls"] < serial["timings"]["verify_calls"] / 2  # ...in far fewer calls
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,14 @@ occurred earlier is found, and the tokens that followed its latest earlier occur
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
-from itertools import product
 
 import numpy as np
 import pytest
 
 from services.draft.drafters import Draft, NgramDrafter
-from tandem.ngram import NgramIndex
+from tandem.ngram import NgramIndex, RepeatWatch, RepeatWatches
 from tandem.sampling import SamplingParams
 from tandem.sessions import Session
 
@@ -253,44 +253,6 @@ def test_prompt_lookup_drafts_only_behind_matches_of_its_minimum(n_min: int) -> 
     assert exact.last_match == n_min
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_draft_triggers_are_exactly_the_tokens_after_which_propose_drafts(seed: int) -> None:
-    """Pipelined rounds rely on this: for every possible next token t, t is a trigger if and only if looking t up
-    (what the gateway would do after waiting for it) gives a draft the policy keeps. Small vocabularies make long
-    and repeated matches (and runs of one token) common; a policy that keeps only long matches is checked too."""
-    import copy
-
-    from tandem.ngram import PromptLookup
-
-    rng = np.random.default_rng(seed)
-    vocab = int(rng.integers(3, 12))
-    tokens = [int(t) for t in rng.integers(0, vocab, size=int(rng.integers(5, 120)))]
-    for n_min, keeps in product((2, 5), (lambda m, n: True, lambda m, n: m >= 4 and n >= 2)):
-        for max_tokens in (1, 8, 32):
-            lookup = PromptLookup(tokens[:3], n_min)
-            lookup.propose(tokens[3:-1], max_tokens)  # a lookup with a history, as in a running request
-            ahead = copy.deepcopy(lookup)
-            triggers = ahead.draft_triggers([tokens[-1]], max_tokens, keeps)
-            assert triggers is not None
-            for t in range(vocab + 1):
-                after = copy.deepcopy(lookup)
-                draft = after.propose([tokens[-1], t], max_tokens)
-                drafts = bool(draft) and keeps(after.last_match, len(draft))
-                if drafts:
-                    assert t in triggers, (t, draft)
-                elif t != tokens[-1]:  # the last token itself is always listed (see draft_triggers)
-                    assert t not in triggers, t
-
-
-def test_draft_triggers_give_up_when_too_many_tokens_could_follow() -> None:
-    from tandem.ngram import PromptLookup
-
-    tokens = [t for i in range(100) for t in (7, i + 10)]  # 7 was followed by 100 different tokens
-    lookup = PromptLookup(tokens)
-    assert lookup.draft_triggers([7], 8, lambda m, n: True, limit=64) is None
-    assert lookup.draft_triggers([], 8, lambda m, n: True, limit=200) is not None
-
-
 def test_gateway_refuses_a_lookup_minimum_over_its_maximum() -> None:
     from pydantic import ValidationError
 
@@ -299,3 +261,24 @@ def test_gateway_refuses_a_lookup_minimum_over_its_maximum() -> None:
     assert GatewaySettings(local_ngram_min=12).local_ngram_min == 12
     with pytest.raises(ValidationError, match="must not exceed"):
         GatewaySettings(local_ngram_min=12, local_ngram_max=8)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_repeat_watch_answers_as_the_definition_while_the_sequence_grows(seed: int) -> None:
+    """RepeatWatch (the test behind VerifyItem.stop_at_repeat, on both sides of the call): after every growth step
+    of one to five tokens, whether the sequence ends with n tokens seen together earlier, for n from 1 to 6 (a small
+    alphabet, so repeats of every length occur), through watches kept per n and rebuilt past the limit."""
+    rng = random.Random(seed)
+    sequence: list[int] = []
+    watches = RepeatWatches()
+    single = {n: RepeatWatch(n) for n in range(1, 7)}
+    answers = {True: 0, False: 0}
+    while len(sequence) < 400:
+        sequence.extend(rng.randrange(4) for _ in range(rng.randint(1, 5)))
+        for n in rng.sample(range(1, 7), 3):  # more lengths than RepeatWatches keeps: some are rebuilt
+            suffix = sequence[len(sequence) - n :]
+            expected = len(sequence) > n and any(sequence[i : i + n] == suffix for i in range(len(sequence) - n))
+            assert watches.ends_with_repeat(sequence, n) is expected
+            assert single[n].ends_with_repeat(sequence) is expected
+            answers[expected] += 1
+    assert answers[True] and answers[False]

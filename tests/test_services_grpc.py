@@ -494,3 +494,85 @@ def test_calls_wait_in_order_behind_a_multi_token_call_and_a_cancelled_waiter_ch
         return order
 
     assert asyncio.run(main()) == ["ahead", "behind"]
+
+
+# Its greedy continuation copies the list: the sequence ends with a repeat of up to 5 tokens at once, of 6 to 11
+# tokens after 1 to 6 more tokens (SmolLM2-135M).
+COPYING_PROMPT = "Colors: red, green, blue, yellow, purple. Again: red, green"
+
+
+def _ends_with_repeat(sequence: list[int], n: int) -> bool:
+    """The definition `stop_at_repeat` implements, written out: the last n tokens occurred together earlier."""
+    suffix = sequence[len(sequence) - n :]
+    return len(sequence) > n and any(sequence[i : i + n] == suffix for i in range(len(sequence) - n))
+
+
+def test_stop_at_repeat_ends_target_only_calls_where_prompt_lookup_could_draft(target_channel: grpc.Channel) -> None:
+    """`stop_at_repeat=n`: a call at a sequence that already ends with a repeated n-gram is refused
+    (FAILED_PRECONDITION, nothing changed), and a multi-token call ends after the first token that makes one. Checked
+    against one-token calls and the definition written out, for n from 1 to 12 on a prompt whose continuation copies
+    its start."""
+    stub = pb_grpc.TargetStub(target_channel)
+    prompt = _prompt(stub, COPYING_PROMPT)
+    reference = [t.id for t in _single_steps(stub, prompt, 16)]
+    seen = {"refused": 0, "stopped inside": 0}
+    for n in range(1, 13):
+        sid = _sid()
+        item = pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)
+        opened = stub.Open(pb.OpenRequest(items=[item])).results[0]
+        sequence, pos = [*prompt, opened.first_token.id], opened.position
+        call = pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=16, stop_at_repeat=n)])
+        if _ends_with_repeat(sequence, n):
+            assert _code(lambda call=call: stub.Verify(call)) == grpc.StatusCode.FAILED_PRECONDITION
+            plain = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos)])).results[0]
+            assert [t.id for t in plain.tokens] == reference[:1]  # the refused call changed nothing
+            seen["refused"] += 1
+        else:
+            got = [t.id for t in stub.Verify(call).results[0].tokens]
+            want = next(
+                (reference[: j + 1] for j in range(16) if _ends_with_repeat([*sequence, *reference[: j + 1]], n)),
+                reference,
+            )
+            assert got == want, n
+            seen["stopped inside"] += len(want) < 16
+        stub.Close(pb.CloseRequest(session_ids=[sid]))
+    assert seen["refused"] and seen["stopped inside"], seen  # the prompt exercises both (greedy, deterministic)
+
+    sid, pos = _open(stub, prompt)
+    with_drafts = pb.VerifyRequest(
+        items=[pb.VerifyItem(session_id=sid, position=pos, draft_token_ids=[5], stop_at_repeat=4)]
+    )
+    assert _code(lambda: stub.Verify(with_drafts)) == grpc.StatusCode.INVALID_ARGUMENT
+    stub.Close(pb.CloseRequest(session_ids=[sid]))
+
+
+def test_a_call_pipelined_behind_one_stopped_at_a_repeat_is_skipped(target_channel: grpc.Channel) -> None:
+    """The gateway sends the next call from where the one in flight would end if it ran all its steps. When that one
+    stops at a repeat, the next is refused at its position and changes nothing; decoding goes on from the real end."""
+    stub = pb_grpc.TargetStub(target_channel)
+    prompt = _prompt(stub, COPYING_PROMPT)
+    reference = [t.id for t in _single_steps(stub, prompt, 20)]
+    sid = _sid()
+    item = pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)
+    opened = stub.Open(pb.OpenRequest(items=[item])).results[0]
+    sequence, pos = [*prompt, opened.first_token.id], opened.position
+
+    # An n whose first repeat comes a few tokens into the first call (the prompt has one: greedy, deterministic).
+    def first_repeat(n: int) -> int | None:
+        return next((j for j in range(20) if _ends_with_repeat([*sequence, *reference[: j + 1]], n)), None)
+
+    n = next(n for n in range(1, 13) if not _ends_with_repeat(sequence, n) and 2 <= (first_repeat(n) or 0) < 15)
+    first = stub.Verify.future(
+        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=16, stop_at_repeat=n)])
+    )
+    behind = stub.Verify.future(
+        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos + 16, plain_steps=4, stop_at_repeat=n)])
+    )
+    result = first.result().results[0]
+    assert 0 < len(result.tokens) < 16  # it stopped at the repeat
+    with pytest.raises(grpc.RpcError) as info:
+        behind.result()
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    rest = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=result.position, plain_steps=3)]))
+    assert [t.id for t in [*result.tokens, *rest.results[0].tokens]] == reference[: len(result.tokens) + 3]
+    stub.Close(pb.CloseRequest(session_ids=[sid]))

@@ -33,7 +33,7 @@ from services.gateway.adaptive import (
 )
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.upstream import Upstreams
-from tandem.ngram import NGRAM_MAX, NGRAM_MIN, PromptLookup
+from tandem.ngram import MATCH_CAP, NGRAM_MAX, NGRAM_MIN, PromptLookup, RepeatWatches
 from tandem.sampling import SamplingParams
 from tandem.telemetry import carrier_for, metadata_for, tracer
 from tandem.v1 import tandem_pb2 as pb
@@ -177,6 +177,7 @@ class Generation:
         # Rounds without a draft go out pipelined when the lookup runs here and knows which tokens would end them.
         self._pipelines_lookup = self._local is not None and plain_pipeline > 1
         self._finished = False  # set by _lookup_stretch when the generation ended inside it
+        self._repeats = RepeatWatches()  # where the lookup could draft again (see _lookup_stretch)
         self._draft_open = False
         self._span: trace.Span = trace.INVALID_SPAN
         self._model_free_draft = self._local is not None or upstreams.draft_is_ngram
@@ -461,53 +462,107 @@ class Generation:
             await asyncio.gather(*pending, return_exceptions=True)
 
     async def _lookup_stretch(self) -> AsyncIterator[pb.Token]:
-        """Rounds without a draft, pipelined (prompt lookup in this process).
+        """Rounds without a draft (prompt lookup in this process): target-only decoding up to the next repeat.
 
-        The lookup found nothing for this round, so it verifies just the target's own next token t. While the target
-        computes t, the round after it goes out too, conditional: the target skips it if t is one of the tokens after
-        which the lookup would draft (`PromptLookup.draft_triggers`, with the same policy). For any other t it is
-        exactly the plain round the gateway would send after looking t up, but it already waits at the target, so
-        text that repeats nothing decodes like target-only decoding, without a gRPC round trip per token. Returns to
-        the main loop when a draft is due, or at the end (then `_finished` is set).
+        The lookup found nothing to draft here, and it finds nothing until the sequence ends with n tokens that
+        occurred together before, for n the shortest match the policy would draft behind (`_repeat_floor`). So the
+        target decodes on its own until then: calls of several plain steps with `stop_at_repeat=n`, each ended by the
+        target after the first token that makes such a repeat, `plain_pipeline` of them in flight. The first is a
+        one-token call (the lookup just declined at this position, whose suffix may repeat already); each later one
+        starts where the ones before it end if none stops early. A call behind one that stopped early is skipped by
+        the target (FAILED_PRECONDITION, nothing changed): it starts at a repeat, or at a position the session is not
+        at. The gateway applies the same test (`RepeatWatch`) to the tokens it gets, and at a repeat returns to the
+        main loop, which looks the suffix up as it would have after any plain round; the calls still in flight answer
+        first. Text that repeats nothing then decodes like target-only decoding, several tokens a message. Returns at
+        the end of the generation too (then `_finished` is set).
         """
         assert self._local is not None
-        current: asyncio.Future | None = asyncio.ensure_future(
-            self._verify([], [], self._span, position=self._target_pos, timed=False)
-        )
-        ahead: asyncio.Future | None = None
+        inflight: deque[tuple[asyncio.Future, int, int]] = deque()  # (call, tokens it asks for, its stop_at_repeat)
+        planned = 0  # tokens the calls in flight ask for
+        sent = 0  # calls sent in this stretch
+        repeated = False  # the sequence reached a repeat (or a call ended early): send nothing more
         try:
-            while current is not None:
-                wait_start = time.perf_counter_ns()
-                if self.match_policy is not None:
-                    self.match_policy.observe(0, 0)  # the round in flight drafts nothing: known before its answer
-                cap = min(self.req.n_max, self.req.max_tokens - self._produced - 2)  # the next round's k
-                triggers: frozenset[int] | None = None
-                if self._produced + 1 < self.req.max_tokens and cap <= 0:
-                    triggers = frozenset()  # the next round is the last one: it drafts nothing whatever t is
-                elif self._produced + 1 < self.req.max_tokens:
-                    triggers = self._local.draft_triggers(self._unsent, cap, self._keeps)
-                    self._unsent = []  # now in the lookup's sequence
-                if triggers is not None:
-                    ahead = asyncio.ensure_future(
-                        self._verify([], [], self._span, position=self._target_pos + 1, timed=False, unless=triggers)
+            while True:
+                while (
+                    not repeated
+                    and len(inflight) < self.plain_pipeline
+                    and self._produced + planned < self.req.max_tokens
+                ):
+                    if sent == 0:
+                        n, floor = 1, 0
+                    else:
+                        n, floor = (
+                            self._plain_steps(self.req.max_tokens - self._produced - planned),
+                            self._repeat_floor(),
+                        )
+                    position = self._target_pos + planned
+                    call = self._verify(
+                        [], [], self._span, position=position, timed=False, steps=n, stop_at_repeat=floor
                     )
-                result = await self._await_plain(current, wait_start)
-                current = None
-                for token in result.tokens:
+                    inflight.append((asyncio.ensure_future(call), n, floor))
+                    planned += n
+                    sent += 1
+                if not inflight:
+                    return
+                call, n, _ = inflight.popleft()
+                planned -= n
+                expected = self._target_pos + n
+                first_call = sent - len(inflight) == 1
+                try:
+                    result = await self._await_plain(call, time.perf_counter_ns())
+                except grpc.aio.AioRpcError as exc:
+                    if repeated and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        continue  # skipped, as it should be: behind a repeat or behind a call that ended early
+                    raise
+                for i, token in enumerate(result.tokens):
+                    self._draftless_round(counted=first_call and i == 0)
                     if self._emitted(token):
                         self._finished = True
                         yield token
                         return
                     yield token
-                if ahead is None or triggers is None or result.tokens[-1].id in triggers:
-                    return  # the target skips `ahead` (or there is none): the main loop looks the token up
-                current, ahead = ahead, None
-                self.stats.pipelined_rounds += 1
-                self.stats.k_rounds += 1
-                if self.match_policy is None:  # a fixed k counts what the round could draft, as _choose_k does
-                    self.stats.k_chosen += max(cap, 0)
+                if not first_call:
+                    self.stats.pipelined_rounds += len(result.tokens)
+                if result.position != expected:
+                    repeated = True
+                elif not repeated:
+                    repeated = self._ends_with_repeat(inflight[0][2] if inflight else self._repeat_floor())
         finally:
-            await self._cancel_calls([current, ahead])
+            await self._cancel_calls([call for call, _, _ in inflight])
+
+    def _draftless_round(self, counted: bool) -> None:
+        """Account for one round without a draft in a lookup stretch as the main loop would (`counted`: the main loop
+        already counted its k, as for the stretch's first round)."""
+        if self.match_policy is not None:
+            self.match_policy.observe(0, 0)
+        if counted:
+            return
+        self.stats.k_rounds += 1
+        if self.match_policy is None:  # a fixed k counts what the round could draft, as _choose_k does
+            self.stats.k_chosen += max(min(self.req.n_max, self.req.max_tokens - self._produced - 1), 0)
+
+    def _repeat_floor(self) -> int:
+        """The shortest suffix match the lookup would draft behind from here on (0: none), for `stop_at_repeat`.
+
+        A draft needs a match of m tokens with `_keeps(m, drafted)` for drafted <= min(cap, m - 1), and keeping is
+        monotone in `drafted`, so no match shorter than this floor can draft anywhere in the next call."""
+        cap = min(self.req.n_max, self.req.max_tokens - self._produced - 1)
+        lo = max(self.req.n_min, 1)
+        if cap < lo:
+            return 0
+        for m in range(max(self.req.ngram_min, lo + 1), MATCH_CAP + 1):
+            if self._keeps(m, min(cap, m - 1)):
+                return m
+        return 0
+
+    def _ends_with_repeat(self, n: int) -> bool:
+        """The target's `stop_at_repeat` test on this request's sequence (prompt and every emitted token)."""
+        if n <= 0:
+            return False
+        assert self._local is not None
+        self._local.tokens.extend(self._unsent)
+        self._unsent = []
+        return self._repeats.ends_with_repeat(self._local.tokens, n)
 
     def _keeps(self, match_len: int, drafted: int) -> bool:
         """Whether the main loop would send a lookup draft of `drafted` tokens behind a `match_len`-token match."""
@@ -672,8 +727,8 @@ class Generation:
         guess: int | None = None,
         position: int | None = None,
         timed: bool = True,
-        unless: frozenset[int] | None = None,
         steps: int = 1,
+        stop_at_repeat: int = 0,
     ) -> tuple[pb.VerifyResult, pb.Timing]:
         v0 = time.perf_counter_ns()
         span = self._child("verify", round_span)
@@ -687,8 +742,8 @@ class Generation:
                             draft_token_ids=drafts,
                             draft_distributions=dists,
                             **({"bonus_guess": guess} if guess is not None else {}),
-                            unless_pending_in=sorted(unless) if unless else (),
                             plain_steps=steps if steps > 1 else 0,
+                            stop_at_repeat=stop_at_repeat,
                         )
                     ],
                     **_traced(span),

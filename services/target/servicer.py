@@ -47,7 +47,10 @@ class _PlainRun:
 
     def __init__(self, specs: list[VerifySpec], steps: list[int]) -> None:
         self.specs = specs
-        self.chains = [PlainChain(spec.position, n) for spec, n in zip(specs, steps, strict=True)]
+        self.chains = [
+            PlainChain(spec.position, n, stop_at_repeat=spec.stop_at_repeat)
+            for spec, n in zip(specs, steps, strict=True)
+        ]
         self.results: list[VerifyResult] | None = None
         self.going = list(range(len(specs)))  # items that want more tokens
         self.steps = 0
@@ -193,6 +196,7 @@ class TargetServicer(pb_grpc.TargetServicer):
                 else None,
                 item.bonus_guess if item.HasField("bonus_guess") else None,
                 frozenset(item.unless_pending_in),
+                stop_at_repeat=item.stop_at_repeat,
             )
             for item in request.items
         ]

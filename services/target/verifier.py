@@ -58,14 +58,16 @@ class PlainChain:
     start: int  # the call's position
     steps: int  # tokens it asks for
     earlier: tuple[EmittedToken, ...] = ()  # tokens its earlier steps emitted
+    stop_at_repeat: int = 0  # end the call once the sequence ends with this many tokens seen together before
 
     @property
     def key(self) -> tuple:
         return ("plain", self.start, self.steps)
 
     def done(self, result: VerifyResult) -> bool:
-        """Whether the call ends with this step's result: all its tokens are out, or the last ended the text."""
-        return result.position >= self.start + self.steps or result.tokens[-1].is_eog
+        """Whether the call ends with this step's result: all its tokens are out, the last ended the text, or it left
+        the sequence where the caller's prompt lookup could draft (`stop_at_repeat`)."""
+        return result.position >= self.start + self.steps or result.tokens[-1].is_eog or result.ends_repeat
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class VerifySpec:
     bonus_guess: int | None = None  # overlapped drafting: the draft's guess for the target's own token
     unless_pending_in: frozenset[int] = frozenset()  # pipelined plain rounds: skip if the pending token is one of these
     chain: PlainChain | None = None  # one step of a multi-token plain call
+    stop_at_repeat: int = 0  # plain calls: skip if the sequence already ends with a repeat of this many tokens
 
     @property
     def key(self) -> tuple:
@@ -102,6 +105,7 @@ class VerifyResult:
     tokens: tuple[EmittedToken, ...]
     position: int
     step: StepShape = StepShape()
+    ends_repeat: bool = False  # a chain step with stop_at_repeat: the sequence now ends with such a repeat
 
 
 MAX_TOP_LOGPROBS = 20
@@ -245,7 +249,11 @@ class Verifier:
             session.last_call = (spec.key, result)
             chain = spec.chain
             if chain is not None:  # one step of a multi-token call: answer with all of the call's tokens so far
-                result = dataclasses.replace(result, tokens=(*chain.earlier, *result.tokens))
+                result = dataclasses.replace(
+                    result,
+                    tokens=(*chain.earlier, *result.tokens),
+                    ends_repeat=bool(chain.stop_at_repeat) and session.ends_with_repeat(chain.stop_at_repeat),
+                )
                 if chain.done(result):
                     session.last_call = (chain.key, result)  # an exact retry of the whole call gets all of it
             outcomes[g][spec.session_id] = result
@@ -270,6 +278,13 @@ class Verifier:
                     raise ConditionNotMet(
                         f"session {session.session_id}: pending token {session.tokens[-1]} is in unless_pending_in"
                     )
+                if spec.stop_at_repeat:
+                    if spec.draft_tokens:
+                        raise InvalidArgument("stop_at_repeat needs an item without draft tokens")
+                    if session.ends_with_repeat(spec.stop_at_repeat):
+                        raise ConditionNotMet(
+                            f"session {session.session_id} ends with a repeat of {spec.stop_at_repeat} tokens"
+                        )
                 self.engine.check_tokens(spec.draft_tokens)
                 if spec.draft_dists is not None and len(spec.draft_dists) != len(spec.draft_tokens):
                     raise InvalidArgument("draft_distributions must be empty or one per draft token")
