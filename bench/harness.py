@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -108,7 +109,7 @@ def start_tandem(args: argparse.Namespace, log_dir: Path, stack: Stack) -> tuple
             model_urls[name] = gateway.address
     one_token = None
     if args.one_token_calls:
-        gateway = start_gateway(target.address, None, log_dir, "--plain-burst-ms", "0")
+        gateway = start_gateway(target.address, None, log_dir, "--plain-burst-ms", "0", "--local-ngram")
         stack.processes.append(gateway)
         one_token = gateway.address
     return ngram_gw.address, service_gw.address, model_urls, one_token
@@ -116,6 +117,7 @@ def start_tandem(args: argparse.Namespace, log_dir: Path, stack: Stack) -> tuple
 
 COLOCATED = "co-located "  # name prefix of the configurations served by a gateway with the target in its process
 ONE_TOKEN = "target-only 1-token calls"  # --one-token-calls: target-only, one token per Verify call
+ONE_TOKEN_LOOKUP = "1-token calls"  # --one-token-calls: the adaptive lookup with one plain token per Verify call
 
 
 def start_colocated(args: argparse.Namespace, log_dir: Path, stack: Stack, *extra: str) -> str:
@@ -190,12 +192,20 @@ def build_configs(
     configs.append(Config(f"ngram-service k={max(ks)}", "tandem", service_url, max(ks), "target-only", "ngram"))
     if one_token_url:
         configs.append(Config(ONE_TOKEN, "tandem", one_token_url, 0, "target-only"))
+        if not args.no_adaptive:  # the lookup's stretches between drafts as one call per token, for an A/B
+            top = max(ngram_ks)
+            name = f"ngram adaptive<={top} {ONE_TOKEN_LOOKUP}"
+            configs.append(Config(name, "tandem", one_token_url, top, "target-only", "ngram", True))
     if args.colocated:
         colocated = start_colocated(args, log_dir, stack)
         configs += lookup_configs(COLOCATED, colocated, ngram_ks, not args.no_adaptive, args.long_match)
         if args.one_token_calls:
             one = start_colocated(args, log_dir, stack, "--plain-burst-ms", "0")
             configs.append(Config(COLOCATED + ONE_TOKEN, "tandem", one, 0, f"{COLOCATED}target-only"))
+            if not args.no_adaptive:
+                top = max(ngram_ks)
+                name = f"{COLOCATED}ngram adaptive<={top} {ONE_TOKEN_LOOKUP}"
+                configs.append(Config(name, "tandem", one, top, f"{COLOCATED}target-only", "ngram", True))
     for name, url in model_urls.items():
         configs += [Config(f"{name} k={k}", "tandem", url, k, "target-only", "model") for k in ks]
         if not args.no_adaptive:
@@ -253,11 +263,15 @@ def request(client: httpx.Client, config: Config, workload: Workload, prompt: st
                   time.perf_counter() - t0)  # fmt: skip
 
 
-def run(configs: list[Config], loads: list[Workload], reps: int, max_tokens: int) -> list[Record]:
+def run(
+    configs: list[Config], loads: list[Workload], reps: int, max_tokens: int, records: list[Record] | None = None
+) -> list[Record]:
+    """Every configuration on every prompt, `reps` times; appends to `records` as it goes (an interrupted run keeps
+    what it measured)."""
     from tqdm import tqdm
 
     total = reps * sum(len(w.prompts) for w in loads) * len(configs)
-    records: list[Record] = []
+    records = [] if records is None else records
     with httpx.Client() as client, tqdm(total=total, desc="bench", unit="req", file=sys.stderr) as bar:
         # Warm-up: one short request per configuration (first-touch allocations, page cache).
         for config in configs:
@@ -420,8 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--one-token-calls",
         action="store_true",
-        help="add target-only through a gateway that asks the target for one token per call (`--plain-burst-ms 0`),"
-        " against the default (several tokens a call where steps are short); co-located too with --colocated",
+        help="add target-only and the adaptive lookup through a gateway that asks the target for one plain token per"
+        " call (`--plain-burst-ms 0`), against the default (several tokens a call where steps are short); co-located"
+        " too with --colocated",
     )
     parser.add_argument(
         "--long-match",
@@ -467,7 +482,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.only:
             configs = select_configs(configs, args.only)
         started = time.time()
-        records = run(configs, loads, reps, args.max_tokens)
+        records: list[Record] = []
+        interrupted = False
+        # SIGTERM (a timeout, a killed job) ends the run like Ctrl-C: the report covers the requests done so far.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            run(configs, loads, reps, args.max_tokens, records)
+        except KeyboardInterrupt:
+            if not records:
+                raise
+            interrupted = True
+            print(f"\ninterrupted: writing the report of the {len(records)} requests done", file=sys.stderr)
         rows = summarise(configs, loads, records)
         meta = {
             "command": " ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])]),
@@ -478,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "seconds": round(time.time() - started, 1),
             "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
+            **({"interrupted_after_requests": len(records)} if interrupted else {}),
         }
         write_report(out, meta, rows, records)
     finally:

@@ -144,7 +144,12 @@ def write_report(out: Path, meta: dict, rows: list[dict], records: list) -> None
     text = (
         f"# tandem benchmark\n\n{meta['date']} · `{meta['command']}` · reps {meta['reps']} · "
         f"max_tokens {meta['max_tokens']} · {meta['seconds']} s{(' · ' + meta['label']) if meta['label'] else ''}\n\n"
-        f"## Decode tok/s (speedup over its own baseline)\n\n{summary}\n\n## Details\n\n{detail}\n"
+        + (
+            f"**Interrupted after {meta['interrupted_after_requests']} requests: the last repetition is partial.**\n\n"
+            if meta.get("interrupted_after_requests")
+            else ""
+        )
+        + f"## Decode tok/s (speedup over its own baseline)\n\n{summary}\n\n## Details\n\n{detail}\n"
     )
     (out / "table.md").write_text(text)
     (out / "results.json").write_text(
