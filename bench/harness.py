@@ -184,6 +184,19 @@ def lookup_configs(prefix: str, url: str, ngram_ks: list[int], adaptive: bool, l
     return configs
 
 
+def one_token_configs(prefix: str, url: str, ngram_ks: list[int], adaptive: bool) -> list[Config]:
+    """--one-token-calls on one gateway (`--plain-burst-ms 0`): target-only and (if asked) the adaptive lookup, each
+    sending one plain token per Verify call, against the default gateway's same configurations."""
+    base = f"{prefix}target-only"
+    configs = [Config(prefix + ONE_TOKEN, "tandem", url, 0, base)]
+    if adaptive:
+        top = max(ngram_ks)
+        configs.append(
+            Config(f"{prefix}ngram adaptive<={top} {ONE_TOKEN_LOOKUP}", "tandem", url, top, base, "ngram", True)
+        )
+    return configs
+
+
 def build_configs(
     args: argparse.Namespace, log_dir: Path, stack: Stack, ks: list[int], ngram_ks: list[int]
 ) -> list[Config]:
@@ -191,21 +204,13 @@ def build_configs(
     configs = lookup_configs("", ngram_url, ngram_ks, not args.no_adaptive, args.long_match)
     configs.append(Config(f"ngram-service k={max(ks)}", "tandem", service_url, max(ks), "target-only", "ngram"))
     if one_token_url:
-        configs.append(Config(ONE_TOKEN, "tandem", one_token_url, 0, "target-only"))
-        if not args.no_adaptive:  # the lookup's stretches between drafts as one call per token, for an A/B
-            top = max(ngram_ks)
-            name = f"ngram adaptive<={top} {ONE_TOKEN_LOOKUP}"
-            configs.append(Config(name, "tandem", one_token_url, top, "target-only", "ngram", True))
+        configs += one_token_configs("", one_token_url, ngram_ks, not args.no_adaptive)
     if args.colocated:
         colocated = start_colocated(args, log_dir, stack)
         configs += lookup_configs(COLOCATED, colocated, ngram_ks, not args.no_adaptive, args.long_match)
         if args.one_token_calls:
             one = start_colocated(args, log_dir, stack, "--plain-burst-ms", "0")
-            configs.append(Config(COLOCATED + ONE_TOKEN, "tandem", one, 0, f"{COLOCATED}target-only"))
-            if not args.no_adaptive:
-                top = max(ngram_ks)
-                name = f"{COLOCATED}ngram adaptive<={top} {ONE_TOKEN_LOOKUP}"
-                configs.append(Config(name, "tandem", one, top, f"{COLOCATED}target-only", "ngram", True))
+            configs += one_token_configs(COLOCATED, one, ngram_ks, not args.no_adaptive)
     for name, url in model_urls.items():
         configs += [Config(f"{name} k={k}", "tandem", url, k, "target-only", "model") for k in ks]
         if not args.no_adaptive:

@@ -302,6 +302,17 @@ def test_seeded_sampled_requests_keep_a_fixed_k_unless_they_ask(exact_local_gate
     assert chosen["timings"]["draft_length_mean"] < fixed["timings"]["draft_length_mean"] / 2
 
 
+# Request settings for a comparison of two gateways: greedy, and seeded sampling (without log-probabilities).
+GREEDY_AND_SEEDED = [{}, {"temperature": 0.7, "seed": 11, "logprobs": False, "top_logprobs": None}]
+
+
+def _assert_same_generation(a: dict, b: dict, keys: tuple[str, ...]) -> None:
+    """Two responses to one request: the same text, and the same values of these `timings` keys."""
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    for key in keys:
+        assert a["timings"][key] == b["timings"][key], key
+
+
 @pytest.fixture(scope="module")
 def exact_local_serial_gateway(exact_target: Service, service_tmp: Path) -> Iterator[Service]:
     """The same, with one call in flight at a time: no pipelined rounds."""
@@ -310,7 +321,7 @@ def exact_local_serial_gateway(exact_target: Service, service_tmp: Path) -> Iter
     service.stop()
 
 
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "seed": 11, "logprobs": False, "top_logprobs": None}])
+@pytest.mark.parametrize("sampling", GREEDY_AND_SEEDED, ids=["greedy", "sampled"])
 def test_pipelined_rounds_without_a_draft_change_nothing(
     exact_local_gateway: Service, exact_local_serial_gateway: Service, sampling: dict
 ) -> None:
@@ -319,10 +330,8 @@ def test_pipelined_rounds_without_a_draft_change_nothing(
     the drafts must be those of the same gateway sending one call at a time, greedy and seeded sampling alike."""
     pipelined = _chat(exact_local_gateway, PROMPTS[2], n_max=8, **sampling)
     serial = _chat(exact_local_serial_gateway, PROMPTS[2], n_max=8, **sampling)
-    assert pipelined["choices"][0]["message"]["content"] == serial["choices"][0]["message"]["content"]
+    _assert_same_generation(pipelined, serial, ("draft_n", "draft_n_accepted", "predicted_n", "draft_length_mean"))
     assert pipelined["timings"]["pipelined_rounds"] > 10 and serial["timings"]["pipelined_rounds"] == 0
-    for key in ("draft_n", "draft_n_accepted", "predicted_n", "draft_length_mean"):
-        assert pipelined["timings"][key] == serial["timings"][key], key
     assert pipelined["timings"]["verify_calls"] == serial["timings"]["verify_calls"]  # skipped calls do not count
 
 
@@ -334,7 +343,7 @@ def exact_local_burst_gateway(exact_target: Service, service_tmp: Path) -> Itera
     service.stop()
 
 
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "seed": 11, "logprobs": False, "top_logprobs": None}])
+@pytest.mark.parametrize("sampling", GREEDY_AND_SEEDED, ids=["greedy", "sampled"])
 def test_lookup_stretches_of_several_tokens_a_call_change_nothing(
     exact_local_burst_gateway: Service, exact_local_serial_gateway: Service, sampling: dict
 ) -> None:
@@ -344,9 +353,7 @@ def test_lookup_stretches_of_several_tokens_a_call_change_nothing(
     for prompt in (PROMPTS[2], PROMPTS[0]):  # free prose (few drafts), code (more)
         burst = _chat(exact_local_burst_gateway, prompt, n_max=8, **sampling)
         serial = _chat(exact_local_serial_gateway, prompt, n_max=8, **sampling)
-        assert burst["choices"][0]["message"]["content"] == serial["choices"][0]["message"]["content"]
-        for key in ("draft_n", "draft_n_accepted", "predicted_n", "rounds"):
-            assert burst["timings"][key] == serial["timings"][key], key
+        _assert_same_generation(burst, serial, ("draft_n", "draft_n_accepted", "predicted_n", "rounds"))
         assert serial["timings"]["verify_calls"] == serial["timings"]["verify_steps"]
         assert burst["timings"]["verify_steps"] == serial["timings"]["verify_steps"]  # the same rounds...
         assert burst["timings"]["verify_calls"] < serial["timings"]["verify_calls"] / 2  # ...in far fewer calls
