@@ -360,6 +360,38 @@ def test_lookup_stretches_of_several_tokens_a_call_change_nothing(
 
 
 @pytest.fixture(scope="module")
+def exact_ngram_service_gateways(
+    exact_target: Service, ngram_draft: Service, service_tmp: Path
+) -> Iterator[tuple[Service, Service]]:
+    """The n-gram draft service behind two gateways: stretches of target-only calls between its drafts (a second's
+    worth of steps a call), and one call in flight at a time with a Propose every round (no stretches)."""
+    burst = start_gateway(exact_target.address, ngram_draft.address, service_tmp, "--plain-burst-ms", "1000")
+    serial = start_gateway(exact_target.address, ngram_draft.address, service_tmp, "--plain-pipeline", "1")
+    yield burst, serial
+    burst.stop()
+    serial.stop()
+
+
+@pytest.mark.parametrize("sampling", GREEDY_AND_SEEDED, ids=["greedy", "sampled"])
+def test_ngram_service_stretches_skip_empty_proposals_and_change_nothing(
+    exact_ngram_service_gateways: tuple[Service, Service], sampling: dict
+) -> None:
+    """The n-gram draft service declares that it proposes only behind a repeated 2-gram, so between its drafts the
+    gateway lets the target decode up to the next one (`stop_at_repeat`) instead of asking for an empty proposal
+    every round. Text, drafts, acceptance and rounds must be those of a Propose every round, in fewer calls."""
+    burst_gateway, serial_gateway = exact_ngram_service_gateways
+    for prompt in (PROMPTS[2], PROMPTS[9]):  # free prose (few drafts), rewriting a function (many)
+        burst = _chat(burst_gateway, prompt, n_max=8, **sampling)
+        serial = _chat(serial_gateway, prompt, n_max=8, **sampling)
+        _assert_same_generation(burst, serial, ("draft_n", "draft_n_accepted", "predicted_n", "rounds"))
+        assert burst["timings"]["draft_n"] > 0
+        assert burst["timings"]["pipelined_rounds"] > 0 and serial["timings"]["pipelined_rounds"] == 0
+        assert burst["timings"]["verify_steps"] == serial["timings"]["verify_steps"]
+        assert burst["timings"]["verify_calls"] < serial["timings"]["verify_calls"]
+        assert burst["timings"]["propose_calls"] < serial["timings"]["propose_calls"]
+
+
+@pytest.fixture(scope="module")
 def exact_one_token_gateway(exact_target: Service, service_tmp: Path) -> Iterator[Service]:
     """Target-only calls of one token each (`--plain-burst-ms 0`): the reference for multi-token calls."""
     service = start_gateway(exact_target.address, None, service_tmp, "--plain-burst-ms", "0")

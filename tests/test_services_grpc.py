@@ -50,6 +50,31 @@ def test_draft_model_has_same_fingerprint(target_channel: grpc.Channel, draft_ch
     d = pb_grpc.DraftStub(draft_channel).Info(pb.InfoRequest())
     assert d.drafter == "model"
     assert d.vocab_fingerprint == t.vocab_fingerprint
+    assert d.proposes_after_repeat == 0  # a model proposes anywhere
+
+
+def test_ngram_draft_declares_the_repeat_it_needs_and_proposes_only_behind_one(
+    ngram_draft: Service, target_channel: grpc.Channel
+) -> None:
+    """`proposes_after_repeat` is a promise the gateway builds on (it stops asking until the sequence repeats): an
+    n-gram service with the default 2-token minimum, whose m-token match drafts m - 1 tokens, declares 2, and at every
+    position of a real sequence it proposes something exactly where the sequence ends with a repeated 2-gram."""
+    tokens = _prompt(pb_grpc.TargetStub(target_channel), "one two three four one two five six two five one two three")
+    with grpc.insecure_channel(ngram_draft.address) as channel:
+        stub = pb_grpc.DraftStub(channel)
+        assert stub.Info(pb.InfoRequest()).proposes_after_repeat == 2
+        sid = _sid()
+        stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=tokens[:1], sampling=GREEDY)]))
+        proposing = []
+        for end in range(2, len(tokens) + 1):
+            new = tokens[end - 1 : end]
+            item = pb.ProposeItem(session_id=sid, position=end - 1, append_token_ids=new, max_tokens=8)
+            proposed = bool(stub.Propose(pb.ProposeRequest(items=[item])).proposals[0].token_ids)
+            seen = {tuple(tokens[i : i + 2]) for i in range(end - 2)}  # 2-grams followed by a token
+            assert proposed == (tuple(tokens[end - 2 : end]) in seen), end
+            proposing.append(proposed)
+        stub.Close(pb.CloseRequest(session_ids=[sid]))
+    assert any(proposing) and not all(proposing)
 
 
 def test_health_and_reflection(target_channel: grpc.Channel) -> None:

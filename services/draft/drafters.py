@@ -37,6 +37,11 @@ class Drafter(ABC):
 
     name: str
 
+    @property
+    def proposes_after_repeat(self) -> int:
+        """Shortest repeated suffix behind which this drafter proposes anything (0: it may propose anywhere)."""
+        return 0
+
     def open_steps(self, sessions: Sequence[Session]) -> Generator[None, None, None]:
         """Prepare new sessions (prefill, indexes); a generator so long prefills run in chunks between steps."""
         self.open(sessions)
@@ -72,6 +77,11 @@ class NgramDrafter(Drafter):
     def __init__(self, n_min: int = 1, n_max: int = 4, scaled: bool = True) -> None:
         self.n_min, self.n_max = n_min, n_max
         self.scaled = scaled
+
+    @property
+    def proposes_after_repeat(self) -> int:
+        # The index holds suffixes of n_min tokens and more; scaled, an m-token match drafts at most m - 1 tokens.
+        return max(self.n_min, 2) if self.scaled else self.n_min
 
     def open(self, sessions: Sequence[Session]) -> None:
         for session in sessions:

@@ -82,6 +82,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                 max_sessions=service.store.max_sessions,
                 drafter=service.drafter.name,
             )
+        msg.proposes_after_repeat = service.drafter.proposes_after_repeat
         return serving_stats(msg, service.store, self.scheduler)
 
     async def Open(self, request: pb.OpenRequest, context: grpc.aio.ServicerContext) -> pb.OpenResponse:

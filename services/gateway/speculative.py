@@ -69,6 +69,7 @@ class GenerationStats:
     verify_calls: int = 0  # all verify calls, with or without a draft
     verify_steps: int = 0  # target steps those calls ran (a target-only call may run several: plain_steps)
     lookahead_rounds: int = 0  # rounds whose draft came from the n-gram lookahead, with no Propose call
+    propose_calls: int = 0  # Propose calls to the draft service (drafts-ahead included)
     overlapped_rounds: int = 0  # rounds whose draft was drafted during the previous verification
     pipelined_rounds: int = 0  # rounds without a draft sent before the previous one's answer (see _lookup_stretch)
     draft_n: int = 0
@@ -123,6 +124,7 @@ class GenerationStats:
             "verify_calls": self.verify_calls,
             "verify_steps": self.verify_steps,
             "lookahead_rounds": self.lookahead_rounds,
+            "propose_calls": self.propose_calls,
             "overlapped_rounds": self.overlapped_rounds,
             "pipelined_rounds": self.pipelined_rounds,
             "draft_compute_ms": round(self.draft_forward_ns / 1e6, 3),
@@ -174,8 +176,17 @@ class Generation:
             PromptLookup(request.prompt_token_ids, request.ngram_min, ngram_max) if local_ngram else None
         )
         self._use_draft = (upstreams.draft is not None or self._local is not None) and request.n_max > 0
-        # Rounds without a draft go out pipelined when the lookup runs here and knows which tokens would end them.
-        self._pipelines_lookup = self._local is not None and plain_pipeline > 1
+        # An n-gram draft service that proposes only behind a repeated suffix of this many tokens (its Info says so).
+        self._service_repeat = (
+            upstreams.draft_info.proposes_after_repeat
+            if self._local is None and upstreams.draft is not None and upstreams.draft_info is not None
+            else 0
+        )
+        # The sequence so far, for the repeat test of a draft service's stretches (the local lookup keeps its own).
+        self._sequence: list[int] | None = list(request.prompt_token_ids) if self._service_repeat else None
+        # Rounds without a draft go out pipelined when the gateway knows which tokens would end them: the lookup
+        # runs here, or the draft service drafts only behind a repeat (see _lookup_stretch).
+        self._pipelines_lookup = (self._local is not None or self._service_repeat > 0) and plain_pipeline > 1
         self._finished = False  # set by _lookup_stretch when the generation ended inside it
         self._repeats = RepeatWatches()  # where the lookup could draft again (see _lookup_stretch)
         self._draft_open = False
@@ -331,7 +342,7 @@ class Generation:
                 try:
                     drafts, dists, draft_compute, proposed = await self._propose(k, round_span)
                     guess = self._guess
-                    if not drafts and self._pipelines_lookup:
+                    if not drafts and self._pipelines_lookup and self._use_draft:
                         stretch = True  # no draft this round: verify it, and the rounds after it, pipelined
                     else:
                         if (
@@ -462,21 +473,24 @@ class Generation:
             await asyncio.gather(*pending, return_exceptions=True)
 
     async def _lookup_stretch(self) -> AsyncIterator[pb.Token]:
-        """Rounds without a draft (prompt lookup in this process): target-only decoding up to the next repeat.
+        """Rounds without a draft (prompt lookup, here or in the draft service): target-only decoding up to the next
+        repeat.
 
         The lookup found nothing to draft here, and it finds nothing until the sequence ends with n tokens that
-        occurred together before, for n the shortest match the policy would draft behind (`_repeat_floor`). So the
-        target decodes on its own until then: calls of several plain steps with `stop_at_repeat=n`, each ended by the
-        target after the first token that makes such a repeat, `plain_pipeline` of them in flight. The first is a
+        occurred together before, for n the shortest match the policy would draft behind (`_repeat_floor`; for an
+        n-gram draft service, the length its Info declares). So the target decodes on its own until then: calls of
+        several plain steps with `stop_at_repeat=n`, each ended by the target after the first token that makes such a
+        repeat, `plain_pipeline` of them in flight. The first is a
         one-token call (the lookup just declined at this position, whose suffix may repeat already); each later one
         starts where the ones before it end if none stops early. A call behind one that stopped early is skipped by
         the target (FAILED_PRECONDITION, nothing changed): it starts at a repeat, or at a position the session is not
         at. The gateway applies the same test (`RepeatWatch`) to the tokens it gets, and at a repeat returns to the
         main loop, which looks the suffix up as it would have after any plain round; the calls still in flight answer
-        first. Text that repeats nothing then decodes like target-only decoding, several tokens a message. Returns at
-        the end of the generation too (then `_finished` is set).
+        first. Text that repeats nothing then decodes like target-only decoding, several tokens a message, and a draft
+        service sees none of those rounds: its next Propose appends them all. Returns at the end of the generation too
+        (then `_finished` is set).
         """
-        assert self._local is not None
+        self._lookahead = []  # a continuation of the last proposal, which these tokens go past
         inflight: deque[tuple[asyncio.Future, int, int]] = deque()  # (call, tokens it asks for, its stop_at_repeat)
         planned = 0  # tokens the calls in flight ask for
         sent = 0  # calls sent in this stretch
@@ -550,6 +564,8 @@ class Generation:
         lo = max(self.req.n_min, 1)
         if cap < lo:
             return 0
+        if self._local is None:
+            return self._service_repeat  # the service's own rule; shorter matches never draft there
         for m in range(max(self.req.ngram_min, lo + 1), MATCH_CAP + 1):
             if self._keeps(m, min(cap, m - 1)):
                 return m
@@ -559,10 +575,14 @@ class Generation:
         """The target's `stop_at_repeat` test on this request's sequence (prompt and every emitted token)."""
         if n <= 0:
             return False
-        assert self._local is not None
-        self._local.tokens.extend(self._unsent)
-        self._unsent = []
-        return self._repeats.ends_with_repeat(self._local.tokens, n)
+        if self._local is not None:
+            self._local.tokens.extend(self._unsent)
+            self._unsent = []
+            sequence = self._local.tokens
+        else:
+            assert self._sequence is not None
+            sequence = self._sequence
+        return self._repeats.ends_with_repeat(sequence, n)
 
     def _keeps(self, match_len: int, drafted: int) -> bool:
         """Whether the main loop would send a lookup draft of `drafted` tokens behind a `match_len`-token match."""
@@ -600,6 +620,8 @@ class Generation:
             self._draft_has -= 1  # sent with a draft-ahead already
         else:
             self._unsent.append(token.id)
+        if self._sequence is not None:
+            self._sequence.append(token.id)
         self._produced += 1
         now = time.perf_counter_ns()
         self.stats.predicted_n = self._produced
@@ -677,6 +699,7 @@ class Generation:
             max_tokens=max_tokens,
             rewind=rewind,
         )
+        self.stats.propose_calls += 1
         try:
             reply = await self.up.propose.call(pb.ProposeRequest(items=[item], **_traced(span)), self.timeout)
         except grpc.aio.AioRpcError as exc:
