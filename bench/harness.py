@@ -107,17 +107,22 @@ def start_tandem(args: argparse.Namespace, log_dir: Path, stack: Stack) -> tuple
             gateway = start_gateway(target.address, draft.address, log_dir, "--n-max", "4")
             stack.processes.append(gateway)
             model_urls[name] = gateway.address
-    one_token = None
+    one_token = every_round = None
     if args.one_token_calls:
         gateway = start_gateway(target.address, None, log_dir, "--plain-burst-ms", "0", "--local-ngram")
         stack.processes.append(gateway)
         one_token = gateway.address
-    return ngram_gw.address, service_gw.address, model_urls, one_token
+        # The n-gram service with a Propose and a one-token call every round without a draft (no stretches).
+        gateway = start_gateway(target.address, ngram.address, log_dir, "--n-max", "4", "--plain-pipeline", "1")
+        stack.processes.append(gateway)
+        every_round = gateway.address
+    return ngram_gw.address, service_gw.address, model_urls, one_token, every_round
 
 
 COLOCATED = "co-located "  # name prefix of the configurations served by a gateway with the target in its process
 ONE_TOKEN = "target-only 1-token calls"  # --one-token-calls: target-only, one token per Verify call
 ONE_TOKEN_LOOKUP = "1-token calls"  # --one-token-calls: the adaptive lookup with one plain token per Verify call
+EVERY_ROUND = "Propose every round"  # --one-token-calls: the n-gram service without stretches between its drafts
 
 
 def start_colocated(args: argparse.Namespace, log_dir: Path, stack: Stack, *extra: str) -> str:
@@ -200,11 +205,16 @@ def one_token_configs(prefix: str, url: str, ngram_ks: list[int], adaptive: bool
 def build_configs(
     args: argparse.Namespace, log_dir: Path, stack: Stack, ks: list[int], ngram_ks: list[int]
 ) -> list[Config]:
-    ngram_url, service_url, model_urls, one_token_url = start_tandem(args, log_dir, stack)
+    ngram_url, service_url, model_urls, one_token_url, every_round_url = start_tandem(args, log_dir, stack)
     configs = lookup_configs("", ngram_url, ngram_ks, not args.no_adaptive, args.long_match)
-    configs.append(Config(f"ngram-service k={max(ks)}", "tandem", service_url, max(ks), "target-only", "ngram"))
+    service_name = f"ngram-service k={max(ks)}"
+    configs.append(Config(service_name, "tandem", service_url, max(ks), "target-only", "ngram"))
     if one_token_url:
         configs += one_token_configs("", one_token_url, ngram_ks, not args.no_adaptive)
+    if every_round_url:
+        configs.append(
+            Config(f"{service_name} {EVERY_ROUND}", "tandem", every_round_url, max(ks), "target-only", "ngram")
+        )
     if args.colocated:
         colocated = start_colocated(args, log_dir, stack)
         configs += lookup_configs(COLOCATED, colocated, ngram_ks, not args.no_adaptive, args.long_match)
@@ -441,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="add target-only and the adaptive lookup through a gateway that asks the target for one plain token per"
         " call (`--plain-burst-ms 0`), against the default (several tokens a call where steps are short); co-located"
-        " too with --colocated",
+        " too with --colocated; and the n-gram draft service with a Propose every round (`--plain-pipeline 1`: no"
+        " target-only stretches between its drafts)",
     )
     parser.add_argument(
         "--long-match",
