@@ -78,9 +78,12 @@ class Stack:
                     proc.kill()
 
 
-def start_tandem(args: argparse.Namespace, log_dir: Path, stack: Stack) -> tuple[str, str, dict[str, str], str | None]:
+def start_tandem(
+    args: argparse.Namespace, log_dir: Path, stack: Stack
+) -> tuple[str, str, dict[str, str], str | None, str | None]:
     """Target, n-gram draft and (unless disabled) model draft, each with a gateway. Returns the gateway URLs:
-    local n-gram, n-gram service, model drafts by placement, and one-token target-only calls (if asked)."""
+    local n-gram, n-gram service, model drafts by placement, and with --one-token-calls one-token target-only calls
+    and the n-gram service with a Propose every round."""
     model = ["--model", args.model] if args.model else []
     draft_model = ["--model", args.draft_model or args.model] if (args.draft_model or args.model) else []
     print("starting target ...", file=sys.stderr, flush=True)
@@ -251,6 +254,25 @@ def build_configs(
             )
             configs += [Config(f"llama-server -md k={k}", "llama-server", url, k, "llama-server", "model") for k in ks]
     return configs
+
+
+def machine() -> dict:
+    """What the run ran on: a CPU's model and vector extensions change llama.cpp's and numpy's speeds severalfold
+    (this project's 2-core machine went from a host with AMX, ~9 ms a target step, to an AVX2-only EPYC, 15-19 ms)."""
+    info: dict = {"cpus": os.cpu_count(), "platform": sys.platform}
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            info["cpu"] = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+            info["simd"] = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+            break
+    return info
 
 
 def request(client: httpx.Client, config: Config, workload: Workload, prompt: str, max_tokens: int) -> Record:
@@ -518,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
             "ks": ks,
             "max_tokens": args.max_tokens,
             "seconds": round(time.time() - started, 1),
-            "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
+            "machine": machine(),
             **({"interrupted_after_requests": len(records)} if interrupted else {}),
         }
         write_report(out, meta, rows, records)

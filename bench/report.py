@@ -138,12 +138,19 @@ def plots(out: Path, rows: list[dict]) -> list[Path]:
     return written
 
 
+def _machine_line(machine: dict) -> str:
+    if "cpu" not in machine:
+        return ""
+    return f" · {machine['cpu']}, {machine['cpus']} CPUs, {'/'.join(machine.get('simd', [])) or 'no AVX2'}"
+
+
 def write_report(out: Path, meta: dict, rows: list[dict], records: list) -> None:
     summary = speedup_table(rows)
     detail = detail_table(rows)
     text = (
         f"# tandem benchmark\n\n{meta['date']} · `{meta['command']}` · reps {meta['reps']} · "
-        f"max_tokens {meta['max_tokens']} · {meta['seconds']} s{(' · ' + meta['label']) if meta['label'] else ''}\n\n"
+        f"max_tokens {meta['max_tokens']} · {meta['seconds']} s{(' · ' + meta['label']) if meta['label'] else ''}"
+        f"{_machine_line(meta.get('machine', {}))}\n\n"
         + (
             f"**Interrupted after {meta['interrupted_after_requests']} requests: the last repetition is partial.**\n\n"
             if meta.get("interrupted_after_requests")

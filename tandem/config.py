@@ -287,9 +287,10 @@ class GatewaySettings(BaseSettings):
         ge=1,
         le=4,
         description="target-only decoding: Verify calls kept in flight per request, so the target starts the next"
-        " token without waiting a round trip for the gateway (1 = one at a time). Above 1, the gateway's prompt"
-        " lookup (--local-ngram) also sends its rounds without a draft ahead, each conditional on the token before"
-        " it not being one the lookup would draft after",
+        " token without waiting a round trip for the gateway (1 = one at a time). Above 1, prompt lookup (the"
+        " gateway's --local-ngram, or an n-gram draft service) sends the rounds between its drafts the same way, as"
+        " calls the target ends at the next repeat the lookup could draft behind (1: a round, and for a draft"
+        " service a Propose, per token there)",
     )
     plain_burst_ms: float = Field(
         40.0,

@@ -380,15 +380,17 @@ def test_ngram_service_stretches_skip_empty_proposals_and_change_nothing(
     gateway lets the target decode up to the next one (`stop_at_repeat`) instead of asking for an empty proposal
     every round. Text, drafts, acceptance and rounds must be those of a Propose every round, in fewer calls."""
     burst_gateway, serial_gateway = exact_ngram_service_gateways
+    pipelined = 0
     for prompt in (PROMPTS[2], PROMPTS[9]):  # free prose (few drafts), rewriting a function (many)
         burst = _chat(burst_gateway, prompt, n_max=8, **sampling)
         serial = _chat(serial_gateway, prompt, n_max=8, **sampling)
         _assert_same_generation(burst, serial, ("draft_n", "draft_n_accepted", "predicted_n", "rounds"))
-        assert burst["timings"]["draft_n"] > 0
-        assert burst["timings"]["pipelined_rounds"] > 0 and serial["timings"]["pipelined_rounds"] == 0
+        assert burst["timings"]["draft_n"] > 0 and serial["timings"]["pipelined_rounds"] == 0
         assert burst["timings"]["verify_steps"] == serial["timings"]["verify_steps"]
         assert burst["timings"]["verify_calls"] < serial["timings"]["verify_calls"]
         assert burst["timings"]["propose_calls"] < serial["timings"]["propose_calls"]
+        pipelined += burst["timings"]["pipelined_rounds"]
+    assert pipelined > 0  # some stretch went on past its first call
 
 
 @pytest.fixture(scope="module")

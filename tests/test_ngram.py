@@ -282,3 +282,30 @@ def test_repeat_watch_answers_as_the_definition_while_the_sequence_grows(seed: i
             assert single[n].ends_with_repeat(sequence) is expected
             answers[expected] += 1
     assert answers[True] and answers[False]
+
+
+@pytest.mark.parametrize(
+    ("n_min", "n_max", "scaled", "declared"),
+    [(1, 4, True, 2), (1, 4, False, 1), (2, 16, True, 2), (2, 16, False, 2), (3, 16, True, 3), (3, 16, False, 3)],
+)
+def test_ngram_drafter_proposes_exactly_behind_the_repeat_it_declares(
+    n_min: int, n_max: int, scaled: bool, declared: int
+) -> None:
+    """`proposes_after_repeat` (Info) is what the gateway stops its target-only stretches at, then asks again: the
+    drafter must propose nothing unless the sequence ends with that many tokens that occurred together earlier (or
+    the gateway would skip drafts), and here, where every length it declares is indexed, always propose behind one."""
+    drafter = NgramDrafter(n_min, n_max, scaled)
+    assert drafter.proposes_after_repeat == declared
+    rng = random.Random(n_min * 10 + scaled)
+    tokens = [rng.randrange(5) for _ in range(300)]  # a small alphabet: repeats of every length occur
+    session = make_session(tokens[:1])
+    drafter.open([session])
+    watch = RepeatWatch(declared)
+    outcomes = set()
+    for end in range(2, len(tokens) + 1):
+        session.tokens.append(tokens[end - 1])
+        drafter.appended(session, end - 1)
+        proposed = bool(drafter.propose(session, 8).tokens)
+        assert proposed == watch.ends_with_repeat(session.tokens), end
+        outcomes.add(proposed)
+    assert outcomes == {True, False}

@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 PLAIN_PIPELINE = 2  # default target-only Verify calls in flight per request (see Generation._plain_tokens)
 PLAIN_BURST_MS = 40.0  # default time's worth of target-only tokens one Verify call asks for (Generation._plain_steps)
 MAX_PLAIN_STEPS = 16  # the most tokens one target-only call asks for, however short the steps
+# A lookup stretch ends after this long without a Propose, so that the draft service's session never sits idle long
+# enough to expire (its default idle timeout is 300 s); the next Propose, empty or not, starts a new stretch.
+DRAFT_KEEPALIVE_NS = 60 * 10**9
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,7 @@ class Generation:
         )
         # The sequence so far, for the repeat test of a draft service's stretches (the local lookup keeps its own).
         self._sequence: list[int] | None = list(request.prompt_token_ids) if self._service_repeat else None
+        self._last_propose_ns = 0  # when the last Propose went out (a stretch for a draft service ends in time)
         # Rounds without a draft go out pipelined when the gateway knows which tokens would end them: the lookup
         # runs here, or the draft service drafts only behind a repeat (see _lookup_stretch).
         self._pipelines_lookup = (self._local is not None or self._service_repeat > 0) and plain_pipeline > 1
@@ -342,8 +346,10 @@ class Generation:
                 try:
                     drafts, dists, draft_compute, proposed = await self._propose(k, round_span)
                     guess = self._guess
-                    if not drafts and self._pipelines_lookup and self._use_draft:
-                        stretch = True  # no draft this round: verify it, and the rounds after it, pipelined
+                    if not drafts and k > 0 and self._pipelines_lookup and self._use_draft:
+                        # The lookup found no draft (k = 0 means a round the policy or max_tokens left undrafted:
+                        # one plain round, as before, keeping a lookahead that still holds).
+                        stretch = True  # verify it, and the rounds after it, pipelined
                     else:
                         if (
                             guess is not None
@@ -480,14 +486,15 @@ class Generation:
         occurred together before, for n the shortest match the policy would draft behind (`_repeat_floor`; for an
         n-gram draft service, the length its Info declares). So the target decodes on its own until then: calls of
         several plain steps with `stop_at_repeat=n`, each ended by the target after the first token that makes such a
-        repeat, `plain_pipeline` of them in flight. The first is a
-        one-token call (the lookup just declined at this position, whose suffix may repeat already); each later one
-        starts where the ones before it end if none stops early. A call behind one that stopped early is skipped by
+        repeat, `plain_pipeline` of them in flight. The first is a one-token call (the lookup just declined at this
+        position, whose suffix may repeat already); each later one starts where the ones before it end if none stops
+        early. A call behind one that stopped early is skipped by
         the target (FAILED_PRECONDITION, nothing changed): it starts at a repeat, or at a position the session is not
         at. The gateway applies the same test (`RepeatWatch`) to the tokens it gets, and at a repeat returns to the
         main loop, which looks the suffix up as it would have after any plain round; the calls still in flight answer
         first. Text that repeats nothing then decodes like target-only decoding, several tokens a message, and a draft
-        service sees none of those rounds: its next Propose appends them all. Returns at the end of the generation too
+        service sees none of those rounds: its next Propose appends them all (a stretch of DRAFT_KEEPALIVE_NS ends
+        early, so that the service's session does not expire meanwhile). Returns at the end of the generation too
         (then `_finished` is set).
         """
         self._lookahead = []  # a continuation of the last proposal, which these tokens go past
@@ -495,20 +502,21 @@ class Generation:
         planned = 0  # tokens the calls in flight ask for
         sent = 0  # calls sent in this stretch
         repeated = False  # the sequence reached a repeat (or a call ended early): send nothing more
+        next_floor: int | None = None  # the floor the repeat check just computed, for the call sent next
         try:
             while True:
                 while (
                     not repeated
                     and len(inflight) < self.plain_pipeline
                     and self._produced + planned < self.req.max_tokens
+                    and (sent == 0 or not self._draft_kept_waiting())  # the first call always: progress
                 ):
                     if sent == 0:
                         n, floor = 1, 0
                     else:
-                        n, floor = (
-                            self._plain_steps(self.req.max_tokens - self._produced - planned),
-                            self._repeat_floor(),
-                        )
+                        n = self._plain_steps(self.req.max_tokens - self._produced - planned)
+                        floor = self._repeat_floor() if next_floor is None else next_floor
+                        next_floor = None
                     position = self._target_pos + planned
                     call = self._verify(
                         [], [], self._span, position=position, timed=False, steps=n, stop_at_repeat=floor
@@ -540,9 +548,17 @@ class Generation:
                 if result.position != expected:
                     repeated = True
                 elif not repeated:
-                    repeated = self._ends_with_repeat(inflight[0][2] if inflight else self._repeat_floor())
+                    if inflight:
+                        repeated = self._ends_with_repeat(inflight[0][2])
+                    else:  # nothing behind: the floor the next call would get (same state until it is sent)
+                        next_floor = self._repeat_floor()
+                        repeated = self._ends_with_repeat(next_floor)
         finally:
             await self._cancel_calls([call for call, _, _ in inflight])
+
+    def _draft_kept_waiting(self) -> bool:
+        """A draft service has had no Propose for DRAFT_KEEPALIVE_NS: end the stretch before its session expires."""
+        return self._service_repeat > 0 and time.perf_counter_ns() - self._last_propose_ns > DRAFT_KEEPALIVE_NS
 
     def _draftless_round(self, counted: bool) -> None:
         """Account for one round without a draft in a lookup stretch as the main loop would (`counted`: the main loop
@@ -552,8 +568,11 @@ class Generation:
         if counted:
             return
         self.stats.k_rounds += 1
-        if self.match_policy is None:  # a fixed k counts what the round could draft, as _choose_k does
-            self.stats.k_chosen += max(min(self.req.n_max, self.req.max_tokens - self._produced - 1), 0)
+        if self.match_policy is None:  # count the k the round would have had, as _choose_k does
+            cap = max(self.req.max_tokens - self._produced - 1, 0)
+            # The draft-length policy (a draft service with adaptive k) chooses every round, as its probe counters
+            # expect; with no repeat behind the sequence, a round it would draft gets an empty proposal anyway.
+            self.stats.k_chosen += self.policy.choose(cap) if self.policy is not None else min(self.req.n_max, cap)
 
     def _repeat_floor(self) -> int:
         """The shortest suffix match the lookup would draft behind from here on (0: none), for `stop_at_repeat`.
@@ -652,8 +671,10 @@ class Generation:
             return (drafts, [], 0, 0) if len(drafts) >= max(self.req.n_min, 1) else ([], [], 0, 0)
         if self._lookahead:
             drafts, self._lookahead = self._lookahead[:k], self._lookahead[k:]
-            self.stats.lookahead_rounds += 1
-            return drafts, [], 0, 0
+            if len(drafts) >= max(self.req.n_min, 1):
+                self.stats.lookahead_rounds += 1
+                return drafts, [], 0, 0
+            self._lookahead = []  # too short to verify: ask the service, which may find a longer continuation
         if self._ahead is not None:  # drafted during the last verification, and still valid
             tokens, dists = self._ahead
             self._ahead = None
@@ -681,6 +702,7 @@ class Generation:
         elif len(drafts) > k:
             drafts, self._lookahead = drafts[:k], drafts[k:]
         if len(drafts) < max(self.req.n_min, 1):
+            self._lookahead = []  # it continues the drafts dropped here, not the sequence
             return [], [], compute, proposed
         return drafts, dists, compute, proposed
 
@@ -700,6 +722,7 @@ class Generation:
             rewind=rewind,
         )
         self.stats.propose_calls += 1
+        self._last_propose_ns = time.perf_counter_ns()
         try:
             reply = await self.up.propose.call(pb.ProposeRequest(items=[item], **_traced(span)), self.timeout)
         except grpc.aio.AioRpcError as exc:
