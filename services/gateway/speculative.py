@@ -482,20 +482,19 @@ class Generation:
         """Rounds without a draft (prompt lookup, here or in the draft service): target-only decoding up to the next
         repeat.
 
-        The lookup found nothing to draft here, and it finds nothing until the sequence ends with n tokens that
-        occurred together before, for n the shortest match the policy would draft behind (`_repeat_floor`; for an
-        n-gram draft service, the length its Info declares). So the target decodes on its own until then: calls of
-        several plain steps with `stop_at_repeat=n`, each ended by the target after the first token that makes such a
-        repeat, `plain_pipeline` of them in flight. The first is a one-token call (the lookup just declined at this
-        position, whose suffix may repeat already); each later one starts where the ones before it end if none stops
-        early. A call behind one that stopped early is skipped by
-        the target (FAILED_PRECONDITION, nothing changed): it starts at a repeat, or at a position the session is not
-        at. The gateway applies the same test (`RepeatWatch`) to the tokens it gets, and at a repeat returns to the
-        main loop, which looks the suffix up as it would have after any plain round; the calls still in flight answer
-        first. Text that repeats nothing then decodes like target-only decoding, several tokens a message, and a draft
-        service sees none of those rounds: its next Propose appends them all (a stretch of DRAFT_KEEPALIVE_NS ends
-        early, so that the service's session does not expire meanwhile). Returns at the end of the generation too
-        (then `_finished` is set).
+        The lookup found nothing to draft here, and it finds nothing until the sequence ends with n tokens that occurred
+        together before, for n the shortest match the policy would draft behind (`_repeat_floor`; for an n-gram draft
+        service, the length its Info declares). So the target decodes on its own until then: calls of several plain
+        steps with `stop_at_repeat=n`, each ended by the target after the first token that makes such a repeat,
+        `plain_pipeline` of them in flight. The first is a one-token call (the lookup just declined at this position,
+        whose suffix may repeat already); each later one starts where the ones before it end if none stops early. A call
+        behind one that stopped early is skipped by the target (FAILED_PRECONDITION, nothing changed): it starts at a
+        repeat, or at a position the session is not at. The gateway applies the same test (`RepeatWatch`) to the tokens
+        it gets, and at a repeat returns to the main loop, which looks the suffix up as it would have after any plain
+        round; the calls still in flight answer first. Text that repeats nothing then decodes like target-only decoding,
+        several tokens a message, and a draft service sees none of those rounds: its next Propose appends them all (a
+        stretch of DRAFT_KEEPALIVE_NS ends early, so that the service's session does not expire meanwhile). Returns at
+        the end of the generation too (then `_finished` is set).
         """
         self._lookahead = []  # a continuation of the last proposal, which these tokens go past
         inflight: deque[tuple[asyncio.Future, int, int]] = deque()  # (call, tokens it asks for, its stop_at_repeat)
