@@ -367,9 +367,10 @@ class Generation:
                         ahead.cancel()
                     raise
                 finally:
-                    round_span.end()
+                    if not stretch:  # a stretch's first call is this round's verification: it ends the span
+                        round_span.end()
                 if stretch:
-                    async for token in self._lookup_stretch():
+                    async for token in self._lookup_stretch(round_span):
                         yield token
                     if self._finished:
                         return
@@ -478,7 +479,7 @@ class Generation:
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
 
-    async def _lookup_stretch(self) -> AsyncIterator[pb.Token]:
+    async def _lookup_stretch(self, first_round: trace.Span) -> AsyncIterator[pb.Token]:
         """Rounds without a draft (prompt lookup, here or in the draft service): target-only decoding up to the next
         repeat.
 
@@ -495,9 +496,13 @@ class Generation:
         several tokens a message, and a draft service sees none of those rounds: its next Propose appends them all (a
         stretch of DRAFT_KEEPALIVE_NS ends early, so that the service's session does not expire meanwhile). Returns at
         the end of the generation too (then `_finished` is set).
+
+        Each call is a round span of its own, with its verify span below it; the first call's is `first_round`, the
+        round whose lookup found nothing (its span ends with that call).
         """
         self._lookahead = []  # a continuation of the last proposal, which these tokens go past
-        inflight: deque[tuple[asyncio.Future, int, int]] = deque()  # (call, tokens it asks for, its stop_at_repeat)
+        # (call, tokens it asks for, its stop_at_repeat, its round span)
+        inflight: deque[tuple[asyncio.Future, int, int, trace.Span]] = deque()
         planned = 0  # tokens the calls in flight ask for
         sent = 0  # calls sent in this stretch
         repeated = False  # the sequence reached a repeat (or a call ended early): send nothing more
@@ -517,15 +522,14 @@ class Generation:
                         floor = self._repeat_floor() if next_floor is None else next_floor
                         next_floor = None
                     position = self._target_pos + planned
-                    call = self._verify(
-                        [], [], self._span, position=position, timed=False, steps=n, stop_at_repeat=floor
-                    )
-                    inflight.append((asyncio.ensure_future(call), n, floor))
+                    span = first_round if sent == 0 else self._child("round")
+                    call = self._verify([], [], span, position=position, timed=False, steps=n, stop_at_repeat=floor)
+                    inflight.append((asyncio.ensure_future(call), n, floor, span))
                     planned += n
                     sent += 1
                 if not inflight:
                     return
-                call, n, _ = inflight.popleft()
+                call, n, _, span = inflight.popleft()
                 planned -= n
                 expected = self._target_pos + n
                 first_call = sent - len(inflight) == 1
@@ -535,6 +539,8 @@ class Generation:
                     if repeated and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         continue  # skipped, as it should be: behind a repeat or behind a call that ended early
                     raise
+                finally:
+                    span.end()
                 for i, token in enumerate(result.tokens):
                     self._draftless_round(counted=first_call and i == 0)
                     if self._emitted(token):
@@ -553,7 +559,11 @@ class Generation:
                         next_floor = self._repeat_floor()
                         repeated = self._ends_with_repeat(next_floor)
         finally:
-            await self._cancel_calls([call for call, _, _ in inflight])
+            if sent == 0:
+                first_round.end()  # never sent (max_tokens reached): the round ends here
+            await self._cancel_calls([call for call, _, _, _ in inflight])
+            for _, _, _, span in inflight:
+                span.end()
 
     def _draft_kept_waiting(self) -> bool:
         """A draft service has had no Propose for DRAFT_KEEPALIVE_NS: end the stretch before its session expires."""
