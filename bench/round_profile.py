@@ -20,6 +20,7 @@ import collections
 import functools
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -214,7 +215,16 @@ def _read(path: Path) -> dict[str, list[int]]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def split_round(before: dict, after: dict, replies: list[dict]) -> dict[str, float]:
+def round_seconds_sum(client: httpx.Client, address: str) -> float:
+    """The gateway's `tandem_round_seconds_sum`: wall time inside its rounds (propose to verified), summed."""
+    text = client.get(f"{address}/metrics").text
+    match = re.search(r"^tandem_round_seconds_sum(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def split_round(
+    before: dict, after: dict, replies: list[dict], in_rounds_s: float | None = None
+) -> dict[str, float]:
     """Microseconds per round (Verify call) of each layer, from the probe counters and the replies' timings."""
 
     def total(label: str) -> float:
@@ -252,6 +262,10 @@ def split_round(before: dict, after: dict, replies: list[dict]) -> dict[str, flo
         threaded_step_us = total("handoff.batch_step") - total("propose.step") - total("verify.step") if steps else 0.0
         row["scheduler_py_us"] = threaded_step_us / steps if steps else 0.0
     row["gateway_us"] = round_us - (total("propose.handler") + total("verify.handler")) / rounds
+    if in_rounds_s is not None:
+        # Decode time outside the round loop's timed span: handing the round's tokens to the response, choosing
+        # k, and the first token's hand-off. Part of gateway_us.
+        row["between_rounds_us"] = round_us - in_rounds_s * 1e6 / rounds
     compute = row["propose_forward_us"] + row["verify_forward_us"]
     row["overhead_us"] = round_us - compute
     row["overhead_pct"] = 100 * row["overhead_us"] / round_us if round_us else 0.0
@@ -314,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
                 )  # fmt: skip
             time.sleep(0.6)
             before = _read(stats_path)
+            rounds_before = round_seconds_sum(client, gateway.address)
             spec = {"max_tokens": args.max_tokens, "speculative.n_max": k, "speculative.adaptive": False}
             replies = []
             for _ in range(args.requests):
@@ -322,6 +337,7 @@ def main(argv: list[str] | None = None) -> None:
                 replies.append(reply.json())
             time.sleep(0.6)
             after = _read(stats_path)
+            in_rounds = round_seconds_sum(client, gateway.address) - rounds_before
             if spy is not None:
                 spy.send_signal(2)
                 spy.wait(30)
@@ -330,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
                 "L": args.synth_len,
                 "tok_s": round(sorted(r["timings"]["predicted_per_second"] for r in replies)[len(replies) // 2], 1),
             }
-            rows.append(row | split_round(before, after, replies))
+            rows.append(row | split_round(before, after, replies, in_rounds))
             print(f"round_profile: k={k}: {rows[-1]}", file=sys.stderr, flush=True)
     finally:
         gateway.stop()

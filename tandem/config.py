@@ -224,6 +224,19 @@ class DraftSettings(ServiceSettings):
     draft_support: int = Field(
         256, ge=1, le=4096, description="model drafter, sampling: tokens kept in the draft distribution it sends"
     )
+    catch_up: Literal["auto", "stepwise", "batched"] = Field(
+        "auto",
+        description="model drafter: how its KV takes in the tokens of the last round it has not seen (the last"
+        " draft token and the target's own): batched in one pass, or stepwise one token a pass, which keeps one-token"
+        " numerics so a same-model draft agrees with the target bit for bit; auto = batched on a GPU, where a pass"
+        " costs the same for one token or two, stepwise on the CPU",
+    )
+
+    def catch_up_batched(self, backend: str | None) -> bool:
+        """Whether the model drafter's catch-up runs in one pass, for an engine on `backend`."""
+        if self.catch_up != "auto":
+            return self.catch_up == "batched"
+        return backend not in (None, "CPU")
 
 
 class GatewaySettings(BaseSettings):

@@ -107,9 +107,11 @@ class ModelDrafter(Drafter):
 
     name = "model"
 
-    def __init__(self, engine: Engine, support: int = 32) -> None:
+    def __init__(self, engine: Engine, support: int = 32, batched_catch_up: bool = False) -> None:
         self.engine = engine
         self.support = support
+        # Tokens up to this many missing from the KV go in one pass each (stepwise numerics), longer runs whole.
+        self.stepwise_limit = 1 if batched_catch_up else SINGLE_STEP_CATCH_UP
 
     def open(self, sessions: Sequence[Session]) -> None:
         for _ in self.open_steps(sessions):
@@ -131,6 +133,8 @@ class ModelDrafter(Drafter):
 
         A short catch-up goes one token per pass, like the draft's own proposals and like target-only decoding: the
         draft's KV then matches one-token numerics exactly, so a same-model draft agrees with the target bit for bit.
+        With `batched_catch_up` (a GPU draft, whose pass costs the same for one token or two) it is one pass: after a
+        fully accepted round that saves a draft pass a round (the last draft token and the target's bonus token).
         """
         missing: list[list[int]] = []
         starts: list[int] = []
@@ -148,7 +152,7 @@ class ModelDrafter(Drafter):
         while True:
             items, owners = [], []
             for i, (session, todo, start) in enumerate(zip(sessions, missing, starts, strict=True)):
-                if len(todo) > SINGLE_STEP_CATCH_UP:
+                if len(todo) > self.stepwise_limit:
                     if step == 0:
                         items.append(DecodeItem(session.seq_id, todo, start, "last"))
                         owners.append(i)
