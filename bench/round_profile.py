@@ -222,9 +222,7 @@ def round_seconds_sum(client: httpx.Client, address: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def split_round(
-    before: dict, after: dict, replies: list[dict], in_rounds_s: float | None = None
-) -> dict[str, float]:
+def split_round(before: dict, after: dict, replies: list[dict], in_rounds_s: float | None = None) -> dict[str, float]:
     """Microseconds per round (Verify call) of each layer, from the probe counters and the replies' timings."""
 
     def total(label: str) -> float:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import tandem.engine as engine_module  # isort: skip  (llama_cpp before numpy)
-import numpy as np
+import tandem.engine as engine_module  # isort: skip  (llama_cpp first)
 import pytest
 
 from services.draft.drafters import ModelDrafter
