@@ -127,11 +127,12 @@ features-gpu)
   ;;
 profile)
   # Issue 8: where the time of a round goes at the 70B shape (bench.round_profile): co-located, draft on the same
-  # GPU, overlap off, after synth-setup. PROFILE_ARGS adds flags (e.g. "--ks 2,4 --synth-len 3").
+  # GPU, overlap off, after synth-setup. PROFILE_ARGS adds flags (e.g. "--ks 2,4 --synth-len 3"), DRAFT_EXTRA draft
+  # flags only (e.g. "--catch-up stepwise").
   GPU_FLAGS="--n-gpu-layers -1 --device cuda:0 --max-sessions 2 --n-ctx 4096 --flash-attn on"
   python3 -m bench.round_profile --target "/tmp/models/${TARGET_SHAPE:-70b}.gguf" \
     --draft "/tmp/models/${DRAFT_SHAPE:-1b}.gguf" --target-flags "$GPU_FLAGS --n-threads 4 ${INLINE:-}" \
-    --draft-flags "$GPU_FLAGS --n-threads 4 ${INLINE:-}" \
+    --draft-flags "$GPU_FLAGS --n-threads 4 ${INLINE:-} ${DRAFT_EXTRA:-}" \
     ${PYSPY:+--py-spy /tmp/site/bin/py-spy} ${PROFILE_ARGS:-} --out "$OUT/profile-${TARGET_SHAPE:-70b}-${LABEL:-now}" 2>&1
   rm -f "$OUT"/profile-*/*.gguf
   ;;
