@@ -224,19 +224,18 @@ class DraftSettings(ServiceSettings):
     draft_support: int = Field(
         256, ge=1, le=4096, description="model drafter, sampling: tokens kept in the draft distribution it sends"
     )
-    catch_up: Literal["auto", "stepwise", "batched"] = Field(
-        "auto",
-        description="model drafter: how its KV takes in the tokens of the last round it has not seen (the last"
-        " draft token and the target's own): batched in one pass, or stepwise one token a pass, which keeps one-token"
-        " numerics so a same-model draft agrees with the target bit for bit; auto = batched on a GPU, where a pass"
-        " costs the same for one token or two, stepwise on the CPU",
+    catch_up: Literal["stepwise", "batched"] = Field(
+        "stepwise",
+        description="model drafter: how its KV takes in the tokens of the last round it has not seen (after a fully"
+        " accepted round: the last draft token and the target's own). stepwise: one token a pass, one-token numerics,"
+        " so a same-model draft agrees with the target bit for bit, and on CUDA a one-token pass is the fast one (a"
+        " 1B draft on an H200: ~1 ms against ~4.4 ms for two tokens in one pass); batched: one pass (a CPU draft's"
+        " two-token pass costs less than two one-token passes)",
     )
 
-    def catch_up_batched(self, backend: str | None) -> bool:
-        """Whether the model drafter's catch-up runs in one pass, for an engine on `backend`."""
-        if self.catch_up != "auto":
-            return self.catch_up == "batched"
-        return backend not in (None, "CPU")
+    def catch_up_batched(self) -> bool:
+        """Whether the model drafter's catch-up runs in one pass."""
+        return self.catch_up == "batched"
 
 
 class GatewaySettings(BaseSettings):

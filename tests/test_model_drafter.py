@@ -57,8 +57,8 @@ def _round_fully_accepted(engine: Engine, batched: bool) -> tuple[list[int], lis
 
 
 def test_a_batched_catch_up_takes_a_fully_accepted_round_in_one_pass(engine: Engine) -> None:
-    """After a fully accepted round the draft lacks two tokens (its last draft token, the target's bonus): a GPU
-    draft takes both in one pass instead of two, and drafts on from a row that differs only by batch rounding."""
+    """After a fully accepted round the draft lacks two tokens (its last draft token, the target's bonus): batched,
+    it takes both in one pass instead of two, and drafts the same tokens on from that row."""
     stepwise_passes, stepwise_draft, first = _round_fully_accepted(engine, batched=False)
     batched_passes, batched_draft, first_again = _round_fully_accepted(engine, batched=True)
     assert first_again == first
@@ -68,9 +68,7 @@ def test_a_batched_catch_up_takes_a_fully_accepted_round_in_one_pass(engine: Eng
     assert batched_draft == stepwise_draft
 
 
-def test_catch_up_auto_batches_on_a_gpu_only() -> None:
-    assert DraftSettings().catch_up_batched("CUDA")
-    assert DraftSettings().catch_up_batched("Vulkan")
-    assert not DraftSettings().catch_up_batched("CPU")
-    assert DraftSettings(catch_up="batched").catch_up_batched("CPU")
-    assert not DraftSettings(catch_up="stepwise").catch_up_batched("CUDA")
+def test_catch_up_is_stepwise_unless_asked() -> None:
+    """Stepwise by default: on CUDA a two-token pass costs ~4x a one-token pass (measured on an H200)."""
+    assert not DraftSettings().catch_up_batched()
+    assert DraftSettings(catch_up="batched").catch_up_batched()

@@ -133,8 +133,9 @@ class ModelDrafter(Drafter):
 
         A short catch-up goes one token per pass, like the draft's own proposals and like target-only decoding: the
         draft's KV then matches one-token numerics exactly, so a same-model draft agrees with the target bit for bit.
-        With `batched_catch_up` (a GPU draft, whose pass costs the same for one token or two) it is one pass: after a
-        fully accepted round that saves a draft pass a round (the last draft token and the target's bonus token).
+        With `batched_catch_up` it is one pass: after a fully accepted round that saves a draft pass (the last draft
+        token and the target's bonus token go together). It pays on a CPU draft only: on CUDA a one-token pass is
+        several times cheaper than a two-token one (measured, docs/benchmarks/h200-2026-12-02-lease7).
         """
         missing: list[list[int]] = []
         starts: list[int] = []
