@@ -321,14 +321,23 @@ def exact_local_serial_gateway(exact_target: Service, service_tmp: Path) -> Iter
     service.stop()
 
 
+@pytest.fixture(scope="module")
+def exact_local_one_token_gateway(exact_target: Service, service_tmp: Path) -> Iterator[Service]:
+    """Pipelined rounds of one token each: by default a call carries as many target steps as fit in 40 ms, so how
+    many calls a generation takes would depend on this host's speed (3 calls in 2 on a faster host)."""
+    service = start_gateway(exact_target.address, None, service_tmp, "--local-ngram", "--plain-burst-ms", "0")
+    yield service
+    service.stop()
+
+
 @pytest.mark.parametrize("sampling", GREEDY_AND_SEEDED, ids=["greedy", "sampled"])
 def test_pipelined_rounds_without_a_draft_change_nothing(
-    exact_local_gateway: Service, exact_local_serial_gateway: Service, sampling: dict
+    exact_local_one_token_gateway: Service, exact_local_serial_gateway: Service, sampling: dict
 ) -> None:
     """Free prose repeats little, so most rounds have no draft and go out pipelined (each one refused by the target
     if the sequence before it ends where the lookup could draft: `stop_at_repeat`). The text, token for token, and
     the drafts must be those of the same gateway sending one call at a time, greedy and seeded sampling alike."""
-    pipelined = _chat(exact_local_gateway, PROMPTS[2], n_max=8, **sampling)
+    pipelined = _chat(exact_local_one_token_gateway, PROMPTS[2], n_max=8, **sampling)
     serial = _chat(exact_local_serial_gateway, PROMPTS[2], n_max=8, **sampling)
     _assert_same_generation(pipelined, serial, ("draft_n", "draft_n_accepted", "predicted_n", "draft_length_mean"))
     assert pipelined["timings"]["pipelined_rounds"] > 10 and serial["timings"]["pipelined_rounds"] == 0
