@@ -233,10 +233,6 @@ class DraftSettings(ServiceSettings):
         " two-token pass costs less than two one-token passes)",
     )
 
-    def catch_up_batched(self) -> bool:
-        """Whether the model drafter's catch-up runs in one pass."""
-        return self.catch_up == "batched"
-
 
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(

@@ -32,7 +32,7 @@ def build_draft(settings: DraftSettings) -> tuple[DraftServicer, EngineWorker, C
             from tandem.engine import Engine
 
             engine = await worker.run(Engine, settings)
-            drafter = ModelDrafter(engine, settings.draft_support, settings.catch_up_batched())
+            drafter = ModelDrafter(engine, settings.draft_support, settings.catch_up == "batched")
             n_vocab, n_ctx = engine.n_vocab, engine.n_ctx
         else:
             drafter = NgramDrafter(settings.ngram_min, settings.ngram_max, settings.ngram_scaled)
