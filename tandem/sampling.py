@@ -230,6 +230,37 @@ def truncate(probs: np.ndarray, max_support: int) -> SparseDist:
     return SparseDist(token_ids=keep.astype(np.int64), probs=kept / kept.sum())
 
 
+def draft_distribution(logits: np.ndarray, params: SamplingParams, max_support: int) -> SparseDist:
+    """What a draft samples from and sends: `truncate(warp(logits, params), max_support)`, from the largest logits.
+
+    Temperature and top-k rank tokens as their logits do, and truncation renormalises over the tokens it keeps, so
+    the whole vocabulary's normaliser cancels: the max_support largest logits are all it needs. On the 2-core CPU
+    that is ~0.12 ms a draft token at 49k tokens, against ~0.77 ms for warping the whole vocabulary and then
+    truncating it. Top-p, and a top-k smaller than max_support, take that full path (the nucleus needs the whole
+    vocabulary's mass).
+
+    The probabilities are computed in float64 over the kept tokens, so they differ from the full path's (float32
+    exponentials, see `_temperature_softmax`) by rounding, ~1e-7 relative. Lossless acceptance needs only that the
+    draft samples from exactly the distribution it sends, which holds for either.
+    """
+    if max_support < 1:
+        raise ValueError(f"max_support must be >= 1, got {max_support}")
+    if params.top_p < 1.0 or 0 < params.top_k < max_support or params.greedy:
+        return truncate(warp(logits, params), max_support)
+    x, top = _as_logits(logits)
+    if max_support >= x.size:
+        return truncate(warp(logits, params), max_support)
+    # Tie-closed candidates, then the ranking truncate uses (descending probability, ties by lowest id).
+    kth = x[np.argpartition(x, x.size - max_support)[x.size - max_support]]
+    cand = np.flatnonzero(x >= kth)
+    z = np.subtract(x[cand], top, dtype=np.float64)
+    keep = _ranked(cand, z)[:max_support]
+    ids, z = cand[keep], z[keep]
+    probs = np.exp(z * (1.0 / params.temperature))
+    probs = probs[probs > 0.0]  # underflow (a token ~745 * T below the top): never sampled, not sent
+    return SparseDist(token_ids=ids[: probs.size].astype(np.int64), probs=probs / probs.sum())
+
+
 def sample(probs: np.ndarray | SparseDist, rng: np.random.Generator) -> int:
     """Draw one token by inverting the CDF with exactly one uniform, so RNG consumption is predictable."""
     if isinstance(probs, SparseDist):

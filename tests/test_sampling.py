@@ -25,6 +25,7 @@ from tandem.sampling import (
     VerifyOutcome,
     WarpedRows,
     acceptance_probability,
+    draft_distribution,
     residual_distribution,
     sample,
     truncate,
@@ -228,6 +229,48 @@ def test_truncate_drops_zeros_and_breaks_ties_by_id() -> None:
     np.testing.assert_allclose(two.probs, [2 / 3, 1 / 3])
     with pytest.raises(ValueError):
         truncate(p, 0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_draft_distribution_is_the_truncated_warp(dtype: type) -> None:
+    """The draft's fast path keeps the same tokens in the same order as truncate(warp(...)), with probabilities equal
+    to rounding; the settings it cannot take fast (top-p, top-k below the support, greedy) give exactly the full path."""
+    rng = np.random.default_rng(11)
+    for trial in range(20):
+        logits = rng.normal(scale=3.0, size=49152).astype(dtype)
+        for params, support in (
+            (SamplingParams(temperature=0.7), 32),
+            (SamplingParams(temperature=1.3, top_k=40), 32),
+            (SamplingParams(temperature=0.2, top_k=32), 32),
+            (SamplingParams(temperature=1.0), 1),
+        ):
+            fast, full = draft_distribution(logits, params, support), truncate(warp(logits, params), support)
+            np.testing.assert_array_equal(fast.token_ids, full.token_ids)
+            np.testing.assert_allclose(fast.probs, full.probs, rtol=1e-5)
+        for params, support in (
+            (SamplingParams(temperature=0.7, top_p=0.9), 32),
+            (SamplingParams(temperature=0.7, top_k=5), 32),
+            (SamplingParams(temperature=0.0), 32),
+        ):
+            fast, full = draft_distribution(logits, params, support), truncate(warp(logits, params), support)
+            np.testing.assert_array_equal(fast.token_ids, full.token_ids)
+            np.testing.assert_array_equal(fast.probs, full.probs)
+    small = np.array([0.5, 2.0, 1.0], dtype=np.float32)  # support >= vocabulary: the full path
+    np.testing.assert_array_equal(
+        draft_distribution(small, SamplingParams(), 8).probs, truncate(warp(small, SamplingParams()), 8).probs
+    )
+    with pytest.raises(ValueError):
+        draft_distribution(small, SamplingParams(), 0)
+
+
+def test_draft_distribution_breaks_ties_by_lowest_id() -> None:
+    logits = np.zeros(1000, dtype=np.float32)
+    logits[[900, 10, 500]] = 5.0  # three tied leaders, then 997 tied tokens
+    q = draft_distribution(logits, SamplingParams(temperature=0.5), 5)
+    np.testing.assert_array_equal(q.token_ids, [10, 500, 900, 0, 1])
+    np.testing.assert_allclose(
+        q.probs, np.array([1, 1, 1, np.exp(-10), np.exp(-10)]) / (3 + 2 * np.exp(-10)), rtol=1e-12
+    )
 
 
 def test_sparse_dist() -> None:

@@ -186,7 +186,7 @@ class ModelDrafter(Drafter):
                 if params.greedy:
                     token = int(rows[i].argmax())
                 else:
-                    q = sampling.truncate(sampling.warp(rows[i], params), self.support)
+                    q = sampling.draft_distribution(rows[i], params, self.support)
                     token = sampling.sample(q, session.rng)
                     dists[i].append(q)
                 tokens[i].append(token)
