@@ -233,10 +233,11 @@ def test_truncate_drops_zeros_and_breaks_ties_by_id() -> None:
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_draft_distribution_is_the_truncated_warp(dtype: type) -> None:
-    """The draft's fast path keeps the same tokens in the same order as truncate(warp(...)), with probabilities equal
-    to rounding; the settings it cannot take fast (top-p, top-k below the support, greedy) give exactly the full path."""
+    """The fast path keeps the tokens of truncate(warp(...)) in the same order, with probabilities equal to rounding;
+    what it cannot take fast (top-p, top-k below the support, greedy) gives exactly the full path."""
+
     rng = np.random.default_rng(11)
-    for trial in range(20):
+    for _ in range(20):
         logits = rng.normal(scale=3.0, size=49152).astype(dtype)
         for params, support in (
             (SamplingParams(temperature=0.7), 32),
