@@ -778,6 +778,76 @@ def test_lazily_warped_rows_give_the_same_outcome_and_skip_unread_rows() -> None
     assert read_less > 100  # most random drafts fail early: the rows after the rejection were never warped
 
 
+def test_bounded_acceptance_agrees_with_the_warped_row() -> None:
+    """WarpedRows.accepts answers exactly what the warped row answers, or None; with u drawn near the acceptance
+    probability, on either side of it to float precision, it must defer rather than guess."""
+    rng = np.random.default_rng(31)
+    decided = deferred = 0
+    for trial in range(400):
+        vocab = int(rng.choice([64, 4096, 49152]))
+        t = float(rng.choice([0.2, 0.7, 1.0, 1.6]))
+        logits = rng.normal(0.0, float(rng.choice([1.0, 3.0, 8.0])), size=(1, vocab)).astype(np.float32)
+        params = SamplingParams(temperature=t)
+        p = warp(logits[0], params)
+        token = int(rng.choice(vocab, p=p)) if trial % 3 else int(rng.integers(vocab))
+        q = None
+        if trial % 2:  # a sampled draft: q from another distribution that holds the token
+            other = warp(logits[0] + rng.normal(0.0, 1.0, size=vocab).astype(np.float32), params)
+            q = draft_distribution(np.log(np.maximum(other, 1e-300)), SamplingParams(), 32)
+            if q.prob_of(token) == 0.0:
+                q = SparseDist(np.array([token]), np.array([1.0]))
+        a = acceptance_probability(p, q, token)
+        near_a = (a, np.nextafter(a, 0.0), np.nextafter(a, 1.0), a * (1 - 1e-7), a * (1 + 1e-7))
+        for n, u in enumerate((rng.random(), *near_a)):
+            u = float(min(max(u, 0.0), np.nextafter(1.0, 0.0)))
+            answer = WarpedRows(logits, params).accepts(0, token, q, u)
+            if answer is not None:
+                assert answer == (u < a), (trial, u, a)
+            if n == 0:
+                decided += answer is not None
+            elif 0.0 < a < 1.0:
+                deferred += answer is None
+    assert decided >= 396  # the bounds settle almost every random u...
+    assert deferred >= 1000  # ...and defer the ones at the acceptance probability itself
+
+
+def test_bounded_acceptance_only_for_plain_temperature_and_unread_rows() -> None:
+    logits = np.random.default_rng(2).normal(size=(2, 100)).astype(np.float32)
+    for params in (SamplingParams(temperature=0.7, top_k=5), SamplingParams(top_p=0.9), SamplingParams(temperature=0)):
+        assert WarpedRows(logits, params).accepts(0, 3, None, 0.5) is None
+    rows = WarpedRows(logits, SamplingParams(temperature=0.7))
+    assert rows.accepts(0, int(np.argmax(logits[0])), None, 0.0) is True
+    assert rows.accepts(0, int(np.argmin(logits[0])), None, 0.999) is False
+    rows[1]  # warped already: the exact test is as cheap
+    assert rows.accepts(1, 3, None, 0.5) is None
+    assert WarpedRows(logits.astype(np.float64), SamplingParams()).accepts(0, 3, None, 0.5) is None
+    assert rows.warped == 1
+
+
+def test_verify_stochastic_with_bounds_matches_dense_rows_seed_for_seed() -> None:
+    """Plain temperature sampling on a 49k vocabulary (the bounded path): the same outcome as the dense array, seed
+    for seed, for deterministic and sampled drafts, and accepted drafts leave their rows unwarped."""
+    rng = np.random.default_rng(41)
+    params = SamplingParams(temperature=0.7)
+    unwarped = 0
+    for trial in range(60):
+        k = int(rng.integers(1, 6))
+        logits = rng.normal(0.0, 3.0, size=(k + 1, 49152)).astype(np.float32)
+        dense = np.stack([warp(row, params) for row in logits])
+        # Drafts that the target likes, so that many are accepted.
+        drafts = [int(rng.choice(49152, p=dense[i])) for i in range(k)]
+        dists = [None] * k
+        if trial % 2:
+            dists = [draft_distribution(logits[i] + np.float32(0.3), params, 32) for i in range(k)]
+            drafts = [int(d.token_ids[0]) for d in dists]
+        lazy = WarpedRows(logits, params)
+        a = verify_stochastic(dense, drafts, dists, np.random.default_rng(trial))
+        b = verify_stochastic(lazy, drafts, dists, np.random.default_rng(trial))
+        assert a == b
+        unwarped += k + 1 - lazy.warped
+    assert unwarped > 60
+
+
 def test_argmax_rows_read_only_up_to_the_first_mismatch() -> None:
     """verify_greedy over lazily argmaxed rows: the same outcome as over all argmaxes, and the rows after the first
     mismatch are never read (a long rejected draft costs no scan of its tail)."""
