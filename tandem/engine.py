@@ -237,6 +237,8 @@ class Engine:
         plan = self._plan(items)
         for part in plan:
             self._run(items, part, out, copy=copy or len(plan) > 1)  # a later call would overwrite the buffer
+        if len(out) == 1 and len(out[0]) == 1:  # one item, one call: a speculative round's every decode
+            return out[0]
         empty = np.zeros((0, self.n_vocab), np.float32)
         return [(parts[0] if len(parts) == 1 else np.concatenate(parts)) if parts else empty for parts in out]
 
@@ -249,6 +251,8 @@ class Engine:
         grouped by length, each group packed into calls of at most n_batch tokens, and an item longer than n_batch
         goes alone, in chunks.
         """
+        if len(items) == 1 and 0 < len(items[0].tokens) <= self.n_batch:
+            return [[(0, 0, len(items[0].tokens))]]
         by_length: dict[int, list[int]] = {}
         for i, item in enumerate(items):
             if item.tokens:

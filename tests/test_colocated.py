@@ -18,7 +18,7 @@ import grpc
 import httpx
 import pytest
 
-from services.gateway.colocated import invoke
+from services.gateway.colocated import Deadlines, invoke
 from tandem.config import DraftSettings, TargetSettings, pin_colocated
 from tandem.errors import InvalidArgument, SessionNotFound
 from tandem.launch import start_colocated_gateway
@@ -273,3 +273,44 @@ def test_local_call_continues_the_callers_trace(monkeypatch: pytest.MonkeyPatch)
     (server,) = exporter.get_finished_spans()
     assert server.name == "/tandem.v1.Target/Verify" and server.kind == trace.SpanKind.SERVER
     assert server.parent.span_id == caller.get_span_context().span_id
+
+
+def test_local_call_deadline_in_a_second_event_loop_and_its_timing() -> None:
+    """Deadlines keep one timer per event loop: a new loop (as each asyncio.run makes) gets its own, and a call is
+    cut within a check period of its deadline."""
+
+    async def slow(request, context):
+        await asyncio.sleep(5)
+
+    async def run() -> float:
+        t0 = time.perf_counter()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await invoke(slow, None, 0.1, "/tandem.v1.Draft/Propose", None)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        return time.perf_counter() - t0
+
+    for _ in range(2):
+        assert 0.1 <= asyncio.run(run()) < 0.1 + Deadlines.PERIOD_S + 0.5
+
+
+def test_local_call_cancelled_by_its_caller_stays_cancelled() -> None:
+    """A cancel from outside (a client gone) is a CancelledError, never a deadline; and a call that answered in time
+    leaves nothing armed that could cancel its task later."""
+
+    async def slow(request, context):
+        await asyncio.sleep(5)
+
+    async def quick(request, context):
+        return "answer"
+
+    async def run() -> None:
+        call = asyncio.ensure_future(invoke(slow, None, 10.0, "/tandem.v1.Target/Verify", None))
+        await asyncio.sleep(0.01)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert await invoke(quick, None, 0.05, "/tandem.v1.Target/Verify", None) == "answer"
+        await asyncio.sleep(0.05 + 2 * Deadlines.PERIOD_S)  # past the answered call's deadline: still not cancelled
+        assert asyncio.current_task().cancelling() == 0
+
+    asyncio.run(run())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,16 +65,76 @@ async def invoke(
         return await _call(handler, request, timeout, name, span)
 
 
+class Deadlines:
+    """Cancels the local calls of one event loop that outlive their deadline, with one timer for all of them.
+
+    `asyncio.timeout` arms a timer per call and cancels it when the call returns: ~6 us a call, and a cancelled handle
+    left in the event loop's heap each time, at two calls a round. Deadlines here are seconds long, so a check every
+    `PERIOD_S` is precise enough, and a call costs two dict operations. Each task runs one local call at a time.
+    """
+
+    PERIOD_S = 0.05
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._due: dict[asyncio.Task, tuple[float, int]] = {}  # task -> (deadline, its cancel requests at the start)
+        self._expired: dict[asyncio.Task, int] = {}  # task cancelled by its deadline -> its cancel requests before
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self, task: asyncio.Task, timeout: float) -> None:
+        self._due[task] = (self._loop.time() + timeout, task.cancelling())
+        if self._timer is None:
+            self._timer = self._loop.call_later(self.PERIOD_S, self._check)
+
+    def finish(self, task: asyncio.Task) -> None:
+        self._due.pop(task, None)
+        self._expired.pop(task, None)
+
+    def expired(self, task: asyncio.Task) -> bool:
+        """After a CancelledError in `task`: whether its deadline cancelled it and nothing else did. The deadline's
+        cancel request is then taken back, as asyncio.timeout does, and the caller raises DEADLINE_EXCEEDED."""
+        if task not in self._expired:
+            return False
+        return task.uncancel() <= self._expired.pop(task)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        for task, (deadline, cancelling) in list(self._due.items()):
+            if now >= deadline:
+                del self._due[task]
+                self._expired[task] = cancelling
+                task.cancel()
+        self._timer = self._loop.call_later(self.PERIOD_S, self._check) if self._due else None
+
+
+_deadlines: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Deadlines] = weakref.WeakKeyDictionary()
+
+
+def _deadlines_of(loop: asyncio.AbstractEventLoop) -> Deadlines:
+    deadlines = _deadlines.get(loop)
+    if deadlines is None:
+        deadlines = _deadlines[loop] = Deadlines(loop)
+    return deadlines
+
+
 async def _call(handler: Callable[[Any, Any], Awaitable[Any]], request: Any, timeout: float | None, name: str, span):
+    task = asyncio.current_task()
+    deadlines = _deadlines_of(task.get_loop()) if timeout is not None and task is not None else None
+    if deadlines is not None:
+        deadlines.start(task, timeout)
     try:
-        async with asyncio.timeout(timeout):
-            return await handler(request, _CONTEXT)
-    except TimeoutError:
-        raise upstream_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no answer in {timeout} s") from None
+        return await handler(request, _CONTEXT)
+    except asyncio.CancelledError:
+        if deadlines is not None and deadlines.expired(task):
+            raise upstream_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: no answer in {timeout} s") from None
+        raise
     except grpc.aio.AioRpcError:
         raise
     except Exception as exc:
         raise upstream_error(*error_status(exc, name, span)) from None
+    finally:
+        if deadlines is not None:
+            deadlines.finish(task)
 
 
 class LocalStub:

@@ -245,7 +245,7 @@ class Verifier:
             len(work), sum(len(spec.draft_tokens) + 1 for _, (_, spec) in work), self.engine.forward_ns - forward0
         )
         for (g, (session, spec)), rows in zip(work, all_rows, strict=True):
-            result = dataclasses.replace(self._accept(session, spec, rows), step=step)
+            result = self._accept(session, spec, rows, step)
             session.last_call = (spec.key, result)
             chain = spec.chain
             if chain is not None:  # one step of a multi-token call: answer with all of the call's tokens so far
@@ -325,7 +325,7 @@ class Verifier:
                 break
         return np.stack(rows)
 
-    def _accept(self, session: Session, spec: VerifySpec, rows: np.ndarray) -> VerifyResult:
+    def _accept(self, session: Session, spec: VerifySpec, rows: np.ndarray, step: StepShape) -> VerifyResult:
         drafts = list(spec.draft_tokens)
         k = len(drafts)
         if self.acceptance_override is not None:  # synthetic acceptance: the same rows, an imposed outcome
@@ -352,7 +352,7 @@ class Verifier:
         session.kv_tokens = [*session.tokens, *drafts[:n]]
         session.tokens.extend(emitted)
         tokens = tuple(self._emit(session, t, rows[i] if i < len(rows) else None) for i, t in enumerate(emitted))
-        return VerifyResult(session.session_id, n, tokens, session.position)
+        return VerifyResult(session.session_id, n, tokens, session.position, step)
 
     def rollback(self, items: Sequence[tuple[str, int]]) -> None:
         """Shorten sessions to `position` tokens; the last kept token becomes pending again."""
