@@ -92,6 +92,15 @@ synth-setup)
   df -h /tmp | tail -1; ls -la /tmp/models; [ -n "${SKIP_PEER:-}" ] || ls -la "$W/ls-build/bin/llama-server"
   python3 -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())'
   ;;
+models)
+  # Random-weight GGUFs only (the builds already done in this lease): MODELS="0.5b/12 8b/21" (shape/seed).
+  mkdir -p /tmp/models
+  for spec in ${MODELS:-1b/11 0.5b/12 8b/21 70b/22}; do
+    set -- ${spec/\// }
+    [ -f "/tmp/models/$1.gguf" ] || python3 -m bench.random_gguf --shape "$1" --seed "$2" --out "/tmp/models/$1.gguf" 2>&1 | tail -1
+  done
+  ls -la /tmp/models
+  ;;
 floor)
   # The transport floor and batch-row exactness on a GPU host, in one call from a bare machine (~6 min; see
   # docs/benchmarks/h200-exactness-2026-12-01 for the form of the exactness command that ran there). Carry

@@ -288,6 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     args.lengths = [float(x) for x in args.lengths.split(",")]
     args.ks = [int(x) for x in args.ks.split(",")]
     args.peer_ks = [int(x) for x in args.peer_ks.split(",")]
+    missing = [
+        str(args.models / f"{shape}.gguf")
+        for pair in args.pairs.split(",")
+        for shape in pair.split(":")
+        if not (args.models / f"{shape}.gguf").is_file()
+    ]
+    if missing:  # before any server starts: a gateway without its model waits for a health that never comes
+        parser.error(f"model files not found: {', '.join(missing)} (write them with python -m bench.random_gguf)")
     deadline = time.monotonic() + args.deadline_s
     args.out.mkdir(parents=True, exist_ok=True)
     log_dir = args.out / "logs"
