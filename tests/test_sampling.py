@@ -28,6 +28,7 @@ from tandem.sampling import (
     draft_distribution,
     residual_distribution,
     sample,
+    sample_logits,
     truncate,
     verify_greedy,
     verify_stochastic,
@@ -332,6 +333,85 @@ def test_sample_large_vocab_inverts_the_cdf_exactly() -> None:
         assert p[token] > 0.0
         lower = cum[token - 1] if token else 0.0
         assert lower - 1e-12 <= u <= cum[token] + 1e-12, (u, token)
+
+
+def _boundary_distance(p: np.ndarray, u: float) -> float:
+    """How far u lies from the nearest boundary of p's CDF intervals (p sums to 1)."""
+    cum = np.concatenate(([0.0], np.cumsum(p)))
+    return float(np.min(np.abs(cum - u)))
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.8])
+def test_sample_logits_draws_what_sample_of_warp_draws(temperature: float) -> None:
+    """The plain-temperature fast path inverts the same CDF as `sample(warp(...))`: for the same uniform it returns
+    the same token, except where u lies within rounding of a CDF boundary (none of these 4,000 draws did)."""
+    rng = np.random.default_rng(int(temperature * 10))
+    params = SamplingParams(temperature=temperature)
+    for row in range(4):
+        logits = (rng.standard_normal(49_152) * 3).astype(np.float32)
+        logits[rng.integers(0, logits.size, 40)] += 12.0  # a few likely tokens, as a language model's row has
+        p = warp(logits, params)
+        for u in [0.0, float(np.nextafter(1.0, 0.0)), *rng.random(1000)]:
+            fast = sample_logits(logits, params, _FixedUniform(u))  # type: ignore[arg-type]
+            reference = sample(p, _FixedUniform(u))  # type: ignore[arg-type]
+            if fast != reference:
+                assert _boundary_distance(p, u) < 1e-12, (row, u, fast, reference)
+            assert p[fast] > 0.0
+
+
+def test_sample_logits_other_settings_take_the_warp() -> None:
+    """Top-p, top-k and float64 logits: the same token as `sample(warp(...))` for every uniform; greedy: the argmax,
+    drawing nothing."""
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal(3000).astype(np.float32) * 4
+    for params in (
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=0.8, top_k=50),
+        SamplingParams(temperature=1.2, top_k=20, top_p=0.5),
+    ):
+        p = warp(logits, params)
+        for u in rng.random(300):
+            assert sample_logits(logits, params, _FixedUniform(u)) == sample(p, _FixedUniform(u))  # type: ignore[arg-type]
+    plain = SamplingParams(temperature=0.9)
+    p64 = warp(logits.astype(np.float64), plain)
+    for u in rng.random(300):
+        token = sample_logits(logits.astype(np.float64), plain, _FixedUniform(u))  # type: ignore[arg-type]
+        reference = sample(p64, _FixedUniform(u))  # type: ignore[arg-type]
+        assert token == reference or _boundary_distance(p64, u) < 1e-12
+    draws = np.random.default_rng(1)
+    assert sample_logits(logits, SamplingParams(temperature=0.0), draws) == int(np.argmax(logits))
+    assert draws.random() == np.random.default_rng(1).random()  # greedy drew nothing
+
+
+def test_sample_logits_draws_one_uniform_and_matches_frequencies() -> None:
+    """One uniform per token (callers rely on the RNG stream), and over 40,000 draws each token's frequency is within
+    5 standard errors of its warped probability."""
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.05, 0.05] + [1e-9] * 1500, dtype=np.float32))
+    params = SamplingParams(temperature=1.0)
+    p = warp(logits, params)
+    rng, reference = np.random.default_rng(7), np.random.default_rng(7)
+    counts = np.zeros(p.size)
+    n = 40_000
+    for _ in range(n):
+        counts[sample_logits(logits, params, rng)] += 1
+    reference.random(n)
+    assert rng.random() == reference.random()
+    sigma = np.sqrt(p * (1 - p) / n)
+    assert np.all(np.abs(counts / n - p) <= 5 * sigma + 1e-12)
+
+
+def test_warped_rows_sample_matches_the_warped_row() -> None:
+    rng = np.random.default_rng(9)
+    rows = (rng.standard_normal((3, 49_152)) * 3).astype(np.float32)
+    params = SamplingParams(temperature=0.7)
+    probs = WarpedRows(rows, params)
+    for u in rng.random(200):
+        reference = sample(warp(rows[2], params), _FixedUniform(u))  # type: ignore[arg-type]
+        token = probs.sample(2, _FixedUniform(u))  # type: ignore[arg-type]
+        assert token == reference or _boundary_distance(warp(rows[2], params), u) < 1e-12
+    assert probs.warped == 0  # drawn without warping the row
+    probs[1]
+    assert probs.sample(1, _FixedUniform(0.5)) == sample(probs[1], _FixedUniform(0.5))  # type: ignore[arg-type]
 
 
 def test_acceptance_and_residual_small_cases() -> None:

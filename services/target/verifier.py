@@ -149,7 +149,7 @@ class Verifier:
     def _pick(self, session: Session, row: np.ndarray) -> int:
         if session.sampling.greedy:
             return int(row.argmax())
-        return sampling.sample(sampling.warp(row, session.sampling), session.rng)
+        return sampling.sample_logits(row, session.sampling, session.rng)
 
     def _check_room(self, session: Session, extra: int) -> None:
         if session.position + extra > self.engine.n_ctx:
