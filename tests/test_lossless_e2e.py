@@ -342,6 +342,8 @@ def test_pipelined_rounds_without_a_draft_change_nothing(
     _assert_same_generation(pipelined, serial, ("draft_n", "draft_n_accepted", "predicted_n", "draft_length_mean"))
     assert pipelined["timings"]["pipelined_rounds"] > 10 and serial["timings"]["pipelined_rounds"] == 0
     assert pipelined["timings"]["verify_calls"] == serial["timings"]["verify_calls"]  # skipped calls do not count
+    # Drafts here are mostly rejected at once, so rounds send their stretch's first call along (see _follow_up).
+    assert pipelined["timings"]["follow_ups_used"] > 0 and serial["timings"]["follow_ups"] == 0
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from services.gateway.adaptive import (
     DraftLengthPolicy,
     MatchLengthPolicy,
     worth_drafting_ahead,
+    worth_following_up,
 )
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.upstream import Upstreams
@@ -75,6 +76,8 @@ class GenerationStats:
     propose_calls: int = 0  # Propose calls to the draft service (drafts-ahead included)
     overlapped_rounds: int = 0  # rounds whose draft was drafted during the previous verification
     pipelined_rounds: int = 0  # rounds without a draft sent before the previous one's answer (see _lookup_stretch)
+    follow_ups: int = 0  # target-only calls sent ahead with a lookup round (see _follow_up)
+    follow_ups_used: int = 0  # ... that the round's outcome let run: each saved the target a round trip idle
     draft_n: int = 0
     draft_n_accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -130,6 +133,8 @@ class GenerationStats:
             "propose_calls": self.propose_calls,
             "overlapped_rounds": self.overlapped_rounds,
             "pipelined_rounds": self.pipelined_rounds,
+            "follow_ups": self.follow_ups,
+            "follow_ups_used": self.follow_ups_used,
             "draft_compute_ms": round(self.draft_forward_ns / 1e6, 3),
             "verify_compute_ms": round(self.verify_forward_ns / 1e6, 3),
             "draft_rpc_ms": round(self.draft_ns / 1e6, 3),
@@ -146,6 +151,29 @@ def _traced(span: trace.Span) -> dict[str, dict[str, str]]:
     empty dict, goes through MutableMapping.update and its ABC checks, twice a round."""
     carrier = carrier_for(span)
     return {"trace_context": carrier} if carrier else {}
+
+
+@dataclass
+class _FollowUp:
+    """A target-only call sent ahead with a lookup round (see Generation._follow_up)."""
+
+    call: asyncio.Future
+    steps: int
+    stop_at_repeat: int
+    span: trace.Span
+    position: int
+
+    def drop(self) -> None:
+        """Not needed: the target skips it, or the generation ended. Cancelled without waiting for it (the target
+        takes this session's later calls after it anyway, and a call not written yet is never sent); its span ends
+        when it is done."""
+        self.call.cancel()
+        self.call.add_done_callback(self._collected)
+
+    def _collected(self, call: asyncio.Future) -> None:
+        if not call.cancelled():
+            call.exception()  # retrieved: a skipped call's FAILED_PRECONDITION is expected, nothing to log
+        self.span.end()
 
 
 class Generation:
@@ -342,6 +370,7 @@ class Generation:
                 round_span = self._child("round")
                 round_start = time.perf_counter_ns()
                 ahead: asyncio.Task | None = None
+                follow: _FollowUp | None = None
                 stretch = False
                 try:
                     drafts, dists, draft_compute, proposed = await self._propose(k, round_span)
@@ -361,10 +390,17 @@ class Generation:
                             # the target's own token, as if every draft will be accepted.
                             tentative = [*drafts, guess]
                             ahead = asyncio.ensure_future(self._propose_rpc(tentative, len(drafts) + 1, round_span))
-                        result, timing = await self._verify(drafts, dists, round_span, guess if ahead else None)
+                        if drafts and ahead is None and self._pipelines_lookup and worth_following_up(self.acceptance):
+                            verifying = asyncio.ensure_future(self._verify(drafts, dists, round_span))
+                            follow = self._follow_up()  # sent after the round's call, so the target runs it after
+                            result, timing = await verifying
+                        else:
+                            result, timing = await self._verify(drafts, dists, round_span, guess if ahead else None)
                 except BaseException:
                     if ahead is not None:
                         ahead.cancel()
+                    if follow is not None:
+                        follow.drop()
                     raise
                 finally:
                     if not stretch:  # a stretch's first call is this round's verification: it ends the span
@@ -386,11 +422,28 @@ class Generation:
                 self._learn(drafts, result, timing, draft_compute, proposed, round_ns)
                 if m:
                     m.observe_round(len(drafts), result.num_accepted, round_ns, draft_compute + verify_compute)
-                for token in result.tokens:
-                    last = self._emitted(token)
-                    yield token
-                    if last:
-                        return
+                try:
+                    for token in result.tokens:
+                        last = self._emitted(token)
+                        yield token
+                        if last:
+                            return
+                    # The target runs the follow-up unless it meets one of these tests (the same ones, on the same
+                    # sequence); passing the repeat test also means the lookup would not draft here.
+                    if (
+                        follow is not None
+                        and result.position == follow.position
+                        and not self._ends_with_repeat(follow.stop_at_repeat)
+                    ):
+                        live, follow = follow, None
+                        self.stats.follow_ups_used += 1
+                        async for token in self._lookup_stretch(None, live):
+                            yield token
+                        if self._finished:
+                            return
+                finally:
+                    if follow is not None:
+                        follow.drop()  # the target skips it (wrong position, or a repeat), or nobody reads it
         finally:
             self.stats.predicted_ns = time.perf_counter_ns() - self._t1
             self._span.set_attributes(
@@ -479,7 +532,29 @@ class Generation:
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
 
-    async def _lookup_stretch(self, first_round: trace.Span) -> AsyncIterator[pb.Token]:
+    def _follow_up(self) -> _FollowUp | None:
+        """A lookup stretch's first call, sent with a lookup round's Verify, for the case that the round ends at its
+        first draft (the target's own token at position + 1, the likeliest outcome on text that repeats little).
+
+        Otherwise the target idles for a round trip after such a round: the gateway learns the outcome, looks the
+        suffix up, finds nothing, and only then sends the stretch's first call. This call names position + 1 and the
+        repeat floor, so the target skips it (FAILED_PRECONDITION, nothing changed) when the round ends elsewhere or
+        where the lookup could draft; the gateway applies the same two tests to the round's answer and either goes
+        on with it as a stretch (`_lookup_stretch`) or leaves it to be skipped. None when no token would be left."""
+        room = self.req.max_tokens - self._produced - 1  # after the round's first token
+        if room <= 0:
+            return None
+        n = self._plain_steps(room)
+        floor = self._repeat_floor()
+        position = self._target_pos + 1
+        span = self._child("round")
+        call = self._verify([], [], span, position=position, timed=False, steps=n, stop_at_repeat=floor)
+        self.stats.follow_ups += 1
+        return _FollowUp(asyncio.ensure_future(call), n, floor, span, position)
+
+    async def _lookup_stretch(
+        self, first_round: trace.Span | None, follow: _FollowUp | None = None
+    ) -> AsyncIterator[pb.Token]:
         """Rounds without a draft (prompt lookup, here or in the draft service): target-only decoding up to the next
         repeat.
 
@@ -498,13 +573,18 @@ class Generation:
         the end of the generation too (then `_finished` is set).
 
         Each call is a round span of its own, with its verify span below it; the first call's is `first_round`, the
-        round whose lookup found nothing (its span ends with that call).
+        round whose lookup found nothing (its span ends with that call). A stretch can also start from a lookup
+        round's follow-up call (`follow`, see `_follow_up`), already on its way: it is then the first call.
         """
         self._lookahead = []  # a continuation of the last proposal, which these tokens go past
         # (call, tokens it asks for, its stop_at_repeat, its round span)
         inflight: deque[tuple[asyncio.Future, int, int, trace.Span]] = deque()
         planned = 0  # tokens the calls in flight ask for
         sent = 0  # calls sent in this stretch
+        counted = follow is None  # the main loop counted the first call's round (a follow-up has none of its own)
+        if follow is not None:
+            inflight.append((follow.call, follow.steps, follow.stop_at_repeat, follow.span))
+            planned, sent = follow.steps, 1
         repeated = False  # the sequence reached a repeat (or a call ended early): send nothing more
         next_floor: int | None = None  # the floor the repeat check just computed, for the call sent next
         try:
@@ -522,7 +602,7 @@ class Generation:
                         floor = self._repeat_floor() if next_floor is None else next_floor
                         next_floor = None
                     position = self._target_pos + planned
-                    span = first_round if sent == 0 else self._child("round")
+                    span = first_round if sent == 0 and first_round is not None else self._child("round")
                     call = self._verify([], [], span, position=position, timed=False, steps=n, stop_at_repeat=floor)
                     inflight.append((asyncio.ensure_future(call), n, floor, span))
                     planned += n
@@ -532,7 +612,7 @@ class Generation:
                 call, n, _, span = inflight.popleft()
                 planned -= n
                 expected = self._target_pos + n
-                first_call = sent - len(inflight) == 1
+                first_call = counted and sent - len(inflight) == 1
                 try:
                     result = await self._await_plain(call, time.perf_counter_ns())
                 except grpc.aio.AioRpcError as exc:
@@ -559,7 +639,7 @@ class Generation:
                         next_floor = self._repeat_floor()
                         repeated = self._ends_with_repeat(next_floor)
         finally:
-            if sent == 0:
+            if sent == 0 and first_round is not None:
                 first_round.end()  # never sent (max_tokens reached): the round ends here
             await self._cancel_calls([call for call, _, _, _ in inflight])
             for _, _, _, span in inflight:

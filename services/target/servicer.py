@@ -211,9 +211,7 @@ class TargetServicer(pb_grpc.TargetServicer):
             timing = self._timing(t0, f0, shape)
             timing.steps = run.steps
         else:
-            if before:
-                await asyncio.wait(before)  # not gather: a waiter that is cancelled must not cancel what it waits on
-            results = await self.scheduler.batched("verify", specs)
+            results = await self._in_order(before, specs, lambda: self.scheduler.batched("verify", specs))
             timing = self._timing(t0, f0, results[0].step if results else None)
             timing.steps = 1
         return pb.VerifyResponse(
@@ -232,8 +230,14 @@ class TargetServicer(pb_grpc.TargetServicer):
     async def _in_order(
         self, before: set[asyncio.Future], specs: list[VerifySpec], run: Callable[[], Awaitable[T]]
     ) -> T:
-        """Run a multi-token call after the ones ahead of it for the same sessions, and hold back the calls after it
-        (registered before the first await, so the order is the order the calls arrived in)."""
+        """Run a call after the ones ahead of it for the same sessions, and hold back the calls after it (registered
+        before the first await, so the order is the order the calls arrived in).
+
+        Every call registers, one step or several: a one-step call that only waited for the call ahead of it could be
+        overtaken. When the call ahead finished just as it arrived, its wake-up took two passes of the event loop,
+        and a multi-step call arriving right after it, with nothing left to wait for, reached the scheduler first
+        (seen: a lookup round's follow-up, skipped, then a stretch's one-token call and the call pipelined behind it;
+        the second ran first and failed on the position)."""
         mine = asyncio.get_running_loop().create_future()
         for spec in specs:
             self._chains[spec.session_id] = mine
