@@ -730,6 +730,26 @@ def test_verify_stochastic_matches_target_empirically() -> None:
     assert 0.2 < rate < 0.9  # the draft is neither useless nor perfect, so both branches are exercised
 
 
+def test_verify_stochastic_on_logits_rows_matches_target_empirically() -> None:
+    """The path the target takes: WarpedRows over float32 logits with plain temperature, so acceptances are settled
+    from bounds and the token after a rejection comes from the row's weights (`sample_residual`). The emitted
+    tokens must follow the target's warped distributions, as with dense rows."""
+    p, _ = _positional_model()
+    params = SamplingParams(temperature=0.7)
+    logits = (np.log(p) * params.temperature).astype(np.float32)
+    target = np.stack([warp(row, params) for row in logits])  # p after the float32 round trip
+
+    def verify(rows: np.ndarray, drafts: list[int], dists: list[SparseDist | None], rng: np.random.Generator):
+        s = int(np.flatnonzero((p == rows[0]).all(axis=1))[0])  # the position these rows belong to
+        return verify_stochastic(WarpedRows(logits[s : s + len(drafts) + 1], params), drafts, dists, rng)
+
+    seqs, _ = _generate(verify, seed=77)
+    assert chi2_pvalue(np.bincount(seqs[:, 0], minlength=VE), target[0]) > ALPHA
+    pair = np.bincount(seqs[:, 0] * VE + seqs[:, 1], minlength=VE * VE)
+    assert chi2_pvalue(pair, np.outer(target[0], target[1])) > ALPHA
+    assert chi2_pvalue(np.bincount(seqs[:, 2], minlength=VE), target[2]) > ALPHA
+
+
 def test_empirical_check_has_teeth() -> None:
     """Accepting every draft (emitting q, not p) must be caught by the same chi-square check."""
 
@@ -836,6 +856,80 @@ def test_verify_stochastic_validates_shapes() -> None:
         verify_stochastic(np.full((2, 3), 1 / 3), [0, 1], [None, None], rng)
     with pytest.raises(ValueError):
         verify_stochastic(np.full((2, 3), 1 / 3), [0], [], rng)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.4])
+def test_residual_from_weights_draws_what_the_residual_distribution_draws(temperature: float) -> None:
+    """`WarpedRows.sample_residual` (the token after a rejection, from the row's weights) against
+    `sample(residual_distribution(warp(row), q, token))`, uniform by uniform: for a deterministic draft (q None) and
+    for a model draft's q, the same token except within rounding of a CDF boundary, never the rejected n-gram token,
+    and without warping the row."""
+    rng = np.random.default_rng(int(temperature * 100))
+    params = SamplingParams(temperature=temperature)
+    differed = 0
+    for trial in range(6):
+        logits = (rng.standard_normal(49_152) * 3).astype(np.float32)
+        logits[rng.integers(0, logits.size, 40)] += 12.0
+        p = warp(logits, params)
+        token = int(np.argmax(p)) if trial % 2 else int(rng.choice(p.size, p=p))
+        q = None
+        if trial >= 3:  # a model draft whose distribution holds the token and overlaps p's head
+            q = draft_distribution(logits + rng.normal(0.0, 0.5, logits.size).astype(np.float32), params, 32)
+            token = int(q.token_ids[0])
+        reference_dist = residual_distribution(p, q, token)
+        for u in [0.0, float(np.nextafter(1.0, 0.0)), *rng.random(400)]:
+            rows = WarpedRows(logits[None, :], params)
+            fast = rows.sample_residual(0, token, q, _FixedUniform(u))  # type: ignore[arg-type]
+            reference = sample(reference_dist, _FixedUniform(u))  # type: ignore[arg-type]
+            assert rows.warped == 0
+            assert reference_dist[fast] > 0.0
+            if fast != reference:
+                differed += 1
+                # Model drafts round the changed weights to float32 (~6e-8 relative): the boundary can move by that.
+                assert _boundary_distance(reference_dist, u) < (1e-12 if q is None else 1e-6), (trial, u)
+    assert differed <= 2
+
+
+def test_residual_from_weights_falls_back_like_residual_distribution() -> None:
+    """Other settings and warped rows take the exact path; a q equal to p (no residual mass) draws from p, as
+    residual_distribution returns it; one uniform per draw."""
+    rng = np.random.default_rng(8)
+    logits = (rng.standard_normal((2, 3000)) * 2).astype(np.float32)
+    for params in (SamplingParams(temperature=0.8, top_k=40), SamplingParams(temperature=0.9, top_p=0.8)):
+        p = warp(logits[0], params)
+        token = int(np.argmax(p))
+        for u in rng.random(50):
+            got = WarpedRows(logits, params).sample_residual(0, token, None, _FixedUniform(u))  # type: ignore[arg-type]
+            assert got == sample(residual_distribution(p, None, token), _FixedUniform(u))  # type: ignore[arg-type]
+    params = SamplingParams(temperature=1.0)
+    one_hot = np.full(3000, -1e4, dtype=np.float32)
+    one_hot[7] = 0.0  # all the mass on token 7 (the others underflow to 0)
+    q = SparseDist(np.array([7]), np.array([1.0]))
+    rows = WarpedRows(one_hot[None, :], params)
+    assert rows.sample_residual(0, 7, q, _FixedUniform(0.3)) == 7  # type: ignore[arg-type]
+    assert rows.sample_residual(0, 7, None, _FixedUniform(0.3)) == 7  # type: ignore[arg-type]
+    draws, reference = np.random.default_rng(3), np.random.default_rng(3)
+    WarpedRows(logits, params).sample_residual(1, 5, None, draws)
+    reference.random()
+    assert draws.random() == reference.random()
+
+
+def test_residual_from_weights_matches_frequencies() -> None:
+    """Over 40,000 draws after rejecting a model draft's token, each token's frequency is within 5 standard errors of
+    norm(max(0, p - q))."""
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.05, 0.05] + [1e-9] * 1500, dtype=np.float32))
+    params = SamplingParams(temperature=1.0)
+    q = SparseDist(np.array([0, 1, 3]), np.array([0.6, 0.1, 0.3]))
+    r = residual_distribution(warp(logits, params), q, 0)
+    rng = np.random.default_rng(17)
+    counts = np.zeros(r.size)
+    n = 40_000
+    rows = WarpedRows(logits[None, :], params)
+    for _ in range(n):
+        counts[rows.sample_residual(0, 0, q, rng)] += 1
+    sigma = np.sqrt(r * (1 - r) / n)
+    assert np.all(np.abs(counts / n - r) <= 5 * sigma + 1e-12)
+    assert counts[0] == 0 and counts[3] == 0  # q covers p there: no residual mass
 
 
 def test_lazily_warped_rows_give_the_same_outcome_and_skip_unread_rows() -> None:
