@@ -2,11 +2,15 @@
 
 A benchmark run compares configurations on texts that differ once a near-tie flips (batched verification moves
 logits), and on 2 cores its noise is a few percent: too coarse to choose between draft-length policies. This replays
-the target-only temperature-0 texts of a run (`results.json` from `python -m bench`) through the real drafter
-(`tandem.ngram`) and the real policies (`services.gateway.adaptive`), round by round: a draft token is accepted when
-it equals the recorded next token, and a round costs the verify curve `fixed + per_token * (k + 1)` (+ overhead
-when it drafted). Deterministic, so two policies' difference is the policies'. It models greedy decoding only;
-sampled workloads need the real benchmark.
+the target-only texts of a run (`results.json` from `python -m bench`) through the real drafter (`tandem.ngram`) and
+the real policies (`services.gateway.adaptive`), round by round: a draft token is accepted when it equals the
+recorded next token, and a round costs the verify curve `fixed + per_token * (k + 1)` (+ overhead when it drafted,
++ a pipelined step's share of messages when not). Deterministic, so two policies' difference is the policies'.
+
+Sampled texts replay exactly too, in distribution: an n-gram draft token x is deterministic, so the target accepts it
+with probability p(x), the chance that its own sample is x, and after a rejection draws from p without x, its sample
+given that it is not x. A recorded target-only sample therefore decides acceptance as the live rounds would (one
+text per prompt here, so sampled rows carry that text's luck).
 
 Defaults are this 2-core CPU's measured costs for SmolLM2-135M at a ~700-token context (verify 1 token 14.5 ms,
 each extra token +4.7 ms; about 2 ms of gRPC and Python per speculative round, 0.7 ms per pipelined plain step).
@@ -37,7 +41,15 @@ class Costs:
             plain_ms,
         )
 
+    curve: list[float] | None = None  # measured forward ms of a step of 1, 2, ... tokens (then the last slope)
+
     def verify_ms(self, k: int) -> float:
+        if self.curve:
+            c = self.curve
+            if k < len(c):
+                return c[k]
+            slope = c[-1] - c[-2] if len(c) > 1 else self.per_token_ms
+            return c[-1] + slope * (k + 1 - len(c))
         return self.fixed_ms + self.per_token_ms * k
 
     def round_ms(self, k: int) -> float:
@@ -48,19 +60,22 @@ def fixed(k_max: int) -> Policy:
     return (lambda tokens, index, cap: ngram_draft_matched(index, tokens, min(k_max, cap))[0]), (lambda *_: None)
 
 
-def _fed(costs: CostModel, overhead_ms: float) -> Callable[[list[int], int, int], None]:
+def _fed(costs: CostModel, overhead_ms: float, plain_ms: float) -> Callable[[list[int], int, int], None]:
     def feed(draft: list[int], accepted: int, verify_ns: int) -> None:
         costs.observe_verify(len(draft) + 1, 1, verify_ns)
-        costs.observe_overhead(overhead_ms * 1e6)
+        if draft:
+            costs.observe_overhead(overhead_ms * 1e6)
+        else:
+            costs.observe_plain_token(verify_ns + plain_ms * 1e6)
 
     return feed
 
 
-def by_position(k_max: int, overhead_ms: float) -> Policy:
+def by_position(k_max: int, overhead_ms: float, plain_ms: float) -> Policy:
     """DraftLengthPolicy: k chosen before the lookup, from acceptance by draft position."""
     costs = CostModel()
     policy = DraftLengthPolicy(costs, 0, k_max)
-    feed = _fed(costs, overhead_ms)
+    feed = _fed(costs, overhead_ms, plain_ms)
 
     def propose(tokens: list[int], index: NgramIndex, cap: int) -> list[int]:
         k = policy.choose(cap)
@@ -74,11 +89,11 @@ def by_position(k_max: int, overhead_ms: float) -> Policy:
     return propose, observe
 
 
-def by_match(k_max: int, overhead_ms: float) -> Policy:
+def by_match(k_max: int, overhead_ms: float, plain_ms: float) -> Policy:
     """MatchLengthPolicy (the gateway's --local-ngram with adaptive k): the lookup first, then how much to keep."""
     costs = CostModel()
     policy = MatchLengthPolicy(costs)
-    feed = _fed(costs, overhead_ms)
+    feed = _fed(costs, overhead_ms, plain_ms)
 
     def propose(tokens: list[int], index: NgramIndex, cap: int) -> list[int]:
         draft, match = ngram_draft_matched(index, tokens, min(k_max, cap))
@@ -111,7 +126,7 @@ def replay(prompt: list[int], output: list[int], policy: Policy, costs: Costs) -
 
 
 def load_texts(results: Path) -> list[tuple[str, list[int], list[int]]]:
-    """(workload, prompt tokens, output tokens) of every target-only temperature-0 record, tokenized as served."""
+    """(workload, prompt tokens, output tokens) of every target-only record, tokenized as served."""
     from bench.workloads import workloads
     from services.gateway.chat_template import ChatTemplate
     from tandem.config import EngineSettings
@@ -126,7 +141,7 @@ def load_texts(results: Path) -> list[tuple[str, list[int], list[int]]]:
     out = []
     for record in data["records"]:
         load = loads.get(record["workload"])
-        if record["config"] != "target-only" or load is None or load.temperature != 0:
+        if record["config"] != "target-only" or load is None:
             continue
         rendered = template.render([{"role": "user", "content": load.prompts[record["prompt"]]}])
         prompt = engine.tokenize(rendered, add_special=False, parse_special=True)
@@ -143,13 +158,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-token-ms", type=float, default=4.7)
     parser.add_argument("--overhead-ms", type=float, default=2.0)
     parser.add_argument("--plain-ms", type=float, default=0.7)
+    parser.add_argument(
+        "--curve",
+        help="measured verify ms of steps of 1,2,... tokens, comma-separated (replaces the line; the last two points "
+        "extend it), e.g. 12,24,30,36,44",
+    )
     args = parser.parse_args(argv)
     costs = Costs(args.fixed_ms, args.per_token_ms, args.overhead_ms, args.plain_ms)
+    if args.curve:
+        costs.curve = [float(v) for v in args.curve.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
     top = max(ks)
     policies: dict[str, Callable[[], Policy]] = {f"k={k}": (lambda k=k: fixed(k)) for k in ks}
-    policies[f"by position <={top}"] = lambda: by_position(top, args.overhead_ms)
-    policies[f"by match <={top}"] = lambda: by_match(top, args.overhead_ms)
+    policies[f"by position <={top}"] = lambda: by_position(top, args.overhead_ms, args.plain_ms)
+    policies[f"by match <={top}"] = lambda: by_match(top, args.overhead_ms, args.plain_ms)
     speedups: dict[str, dict[str, list[float]]] = {}
     for workload, prompt, output in load_texts(args.results):
         plain = len(output) * costs.round_ms(0)

@@ -52,6 +52,27 @@ def test_cost_fit_remembers_its_slope_through_plain_decoding() -> None:
     assert costs.drafting_can_pay() is False
 
 
+def test_round_cost_uses_each_step_size_as_measured() -> None:
+    """Concave costs, as on the 2-core CPU (2 tokens ~1.7x a plain step, then ~+4.5 ms a token): once a size has been
+    measured a few times a round of that size costs what it measured, not the fitted line's estimate (which makes a
+    plain step dearer than it is, and so drafting relatively cheap); batched steps (several sessions) keep the
+    line, whose fixed part they share."""
+    curve = {1: 11.7, 2: 19.4, 3: 26.1, 5: 37.5, 9: 55.0, 17: 90.0}
+    costs = CostModel()
+    for _ in range(4):
+        for tokens, ms in curve.items():
+            costs.observe_verify(tokens, 1, int(ms * 1e6))
+    costs.observe_overhead(2e6)
+    fixed, per_token = costs.line()
+    assert fixed + per_token > 15e6  # the line puts a plain step at ~15.7 ms, 4 ms above what it measured
+    assert costs.round_ns(1) == pytest.approx(21.4e6, rel=0.01)  # measured 19.4 ms + 2 ms of overhead
+    assert costs.round_ns(0) == pytest.approx(13.7e6, rel=0.01)
+    assert costs.round_ns(3) == pytest.approx(fixed + 4 * per_token + 2e6)  # 4 tokens: never measured
+    for _ in range(30):
+        costs.observe_verify(8, 4, int(40e6))  # four sessions a step from now on
+    assert costs.round_ns(1) != pytest.approx(21.4e6, rel=0.05)
+
+
 def test_expected_tokens_follow_the_per_position_rates() -> None:
     tracker = AcceptanceTracker(4)
     for _ in range(400):
@@ -206,6 +227,22 @@ def test_match_policy_cuts_a_proposal_where_acceptance_falls() -> None:
         policy.observe(drafted=3, accepted=2)  # positions continue matches of 4, 5 (accepted) and 6 (rejected)
     assert policy.choose(match_len=4, available=3) == 2
     assert policy.choose(match_len=17, available=16) == 16  # longer matches keep their own record
+
+
+def test_match_policy_weighs_a_draft_against_a_pipelined_plain_token() -> None:
+    """Not drafting means a token of a pipelined stretch (step + ~0.7 ms), not a round with its overhead (+2 ms):
+    with the stretch's cost measured, a 1-token draft needs ~40% acceptance on this CPU's costs, not ~29%."""
+    record = MatchLengthPolicy(CostModel())
+    for n in range(40):  # two-token matches, accepted 35% of the time
+        record.observe(drafted=1, accepted=int(n % 20 < 7))
+    assert 0.3 < record.rate(2) < 0.39
+    old = MatchLengthPolicy(costs_with(14.5, 4.7, overhead_ms=2.0), reached=record.reached, accepted=record.accepted)
+    assert old.choose(match_len=2, available=1) == 1  # charged a whole round for plain decoding, it drafts
+    costs = costs_with(14.5, 4.7, overhead_ms=2.0)
+    costs.observe_plain_token(15.2e6)
+    new = MatchLengthPolicy(costs, reached=record.reached, accepted=record.accepted)
+    assert new.choose(match_len=2, available=1) == 0
+    assert new.choose(match_len=12, available=11) == 11  # trusted long matches still draft
 
 
 def test_match_policy_tries_again_once_its_record_has_decayed() -> None:

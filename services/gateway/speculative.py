@@ -228,6 +228,7 @@ class Generation:
         self._unsent: list[int] = []
         self._lookahead: list[int] = []
         self._t1 = self._last = 0
+        self._plain_done: int | None = None  # when the last pipelined plain call answered (None: none queued behind)
         self.costs = costs if costs is not None else CostModel()
         # Overlapped drafting (model drafters; the n-gram lookahead already has its next draft for free).
         self._overlap = overlap and not self._model_free_draft
@@ -473,6 +474,7 @@ class Generation:
         wrong position: they are cancelled and the next call, sent from where the session is, meets the error.
         """
         inflight: deque[tuple[asyncio.Future, int]] = deque()
+        self._plain_done = None
         planned = 0  # tokens the calls in flight ask for
         try:
             while True:
@@ -510,10 +512,16 @@ class Generation:
 
     async def _await_plain(self, call: asyncio.Future, since: int) -> pb.VerifyResult:
         """The answer of a pipelined Verify call without drafts, accounted for: the wait since `since` counts as
-        verify time (the calls' own times overlap), and the steps feed the cost model and the round metrics."""
+        verify time (the calls' own times overlap), and the steps feed the cost model and the round metrics, as
+        does the time since the answer before it in the same stream (`CostModel.plain_token_ns`)."""
         result, timing = await call
         self._target_pos = result.position
-        round_ns = time.perf_counter_ns() - since
+        done = time.perf_counter_ns()
+        round_ns = done - since
+        if self._plain_done is not None and result.tokens:
+            # Queued behind the call before it: the time between their answers is what its tokens cost.
+            self.costs.observe_plain_token((done - self._plain_done) / len(result.tokens))
+        self._plain_done = done
         self.stats.verify_ns += round_ns
         steps = max(timing.steps, 1)
         self.costs.observe_verify(timing.step_tokens, timing.step_sequences, timing.forward_ns // steps)
@@ -579,6 +587,7 @@ class Generation:
         self._lookahead = []  # a continuation of the last proposal, which these tokens go past
         # (call, tokens it asks for, its stop_at_repeat, its round span)
         inflight: deque[tuple[asyncio.Future, int, int, trace.Span]] = deque()
+        self._plain_done = None
         planned = 0  # tokens the calls in flight ask for
         sent = 0  # calls sent in this stretch
         counted = follow is None  # the main loop counted the first call's round (a follow-up has none of its own)
