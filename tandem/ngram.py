@@ -6,7 +6,9 @@ per round, no model) and right when the output repeats the input, as code edits,
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 NGRAM_MIN = 2  # shortest suffix matched by default: a one-token match drafts noise
 NGRAM_MAX = 16  # longest suffix looked up by default
@@ -96,6 +98,94 @@ def draft_size(position: int, match_len: int, available: int, max_tokens: int, s
         return 0
     n = min(max_tokens, match_len - 1) if scaled else max_tokens
     return max(0, min(n, available - position))
+
+
+# Adaptive draft length for prompt lookup: acceptance is tracked by how long the match is at each drafted position
+# (bucket lower bounds, in tokens). The gateway's MatchLengthPolicy learns the rates; LookupRule carries them to the
+# target, which drafts with the same rule inside its target-only calls.
+MATCH_BUCKETS = (2, 3, 4, 6, 9, 16, 32)
+
+
+def match_bucket(n: int) -> int:
+    return max(bisect.bisect_right(MATCH_BUCKETS, n) - 1, 0)
+
+
+def best_draft_length(
+    match_len: int,
+    available: int,
+    min_draft: int,
+    bucket_rates: Sequence[float],
+    round_costs: Sequence[float],
+    plain_cost: float,
+) -> int:
+    """How many of `available` proposed tokens behind a `match_len`-token match to verify: the k >= min_draft that
+    maximises expected tokens per unit of cost, or 0 (a plain step is better).
+
+    Draft position i continues a match of match_len + i tokens and is accepted with that bucket's rate, given the
+    positions before it were; a round with k drafts emits 1 + sum_{n<=k} prod_{i<n} rate tokens and costs
+    round_costs[k] (0 <= k <= available), against plain_cost for one token without a draft.
+    """
+    lo = max(min_draft, 1)
+    k, best = 0, 1.0 / plain_cost
+    expected, survive = 1.0, 1.0
+    for n in range(1, available + 1):
+        survive *= bucket_rates[match_bucket(match_len + n - 1)]
+        expected += survive
+        if n >= lo and expected / round_costs[n] > best:
+            k, best = n, expected / round_costs[n]
+    return k
+
+
+@dataclass(frozen=True)
+class LookupRule:
+    """How a caller's prompt lookup drafts, for a target that drafts with it inside target-only calls
+    (`VerifyItem.lookup`): the gateway's rule, applied by the target to the same sequence, so each side would
+    draft the same tokens at the same position.
+
+    At each step the target looks the sequence's suffix up (`ngram_draft_matched` on an index of suffixes of
+    ngram_min..ngram_max tokens, at most max_draft tokens and none past end_position), keeps `best_draft_length` of
+    the proposal when rates are given (the whole proposal otherwise), and verifies those with its step; fewer than
+    min_draft: no draft.
+    """
+
+    ngram_min: int = NGRAM_MIN
+    ngram_max: int = NGRAM_MAX
+    max_draft: int = 8
+    min_draft: int = 1
+    end_position: int = 0  # the sequence length at which the request ends (its max_tokens)
+    bucket_rates: tuple[float, ...] = ()  # per MATCH_BUCKETS entry; empty: keep the whole proposal
+    round_costs: tuple[float, ...] = ()  # of a round with 0..max_draft drafts
+    plain_cost: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.ngram_min <= self.ngram_max <= MATCH_CAP:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max <= {MATCH_CAP}, got {self.ngram_min}, {self.ngram_max}")
+        if self.bucket_rates:
+            if len(self.bucket_rates) != len(MATCH_BUCKETS):
+                raise ValueError(f"bucket_rates needs {len(MATCH_BUCKETS)} values, got {len(self.bucket_rates)}")
+            if len(self.round_costs) != self.max_draft + 1:
+                raise ValueError(f"round_costs needs max_draft + 1 = {self.max_draft + 1} values")
+            if not self.plain_cost > 0 or not all(c > 0 for c in self.round_costs):
+                raise ValueError("costs must be positive")
+            if not all(0.0 <= r <= 1.0 for r in self.bucket_rates):
+                raise ValueError("bucket rates must lie in [0, 1]")
+
+    def keep(self, match_len: int, available: int) -> int:
+        """Draft tokens kept of an `available`-token proposal behind a `match_len`-token match."""
+        if available < max(self.min_draft, 1):
+            return 0
+        if not self.bucket_rates:
+            return available
+        rates, costs = self.bucket_rates, self.round_costs
+        return best_draft_length(match_len, available, self.min_draft, rates, costs, self.plain_cost)
+
+    def draft(self, index: NgramIndex, tokens: Sequence[int], room: int) -> tuple[list[int], int]:
+        """(draft tokens for the next step after `tokens`, indexed already, at most `room`; the match length)."""
+        cap = min(self.max_draft, self.end_position - len(tokens) - 1, room)
+        if cap < max(self.min_draft, 1):
+            return [], 0
+        proposal, match_len = ngram_draft_matched(index, tokens, cap)
+        return proposal[: self.keep(match_len, len(proposal))], match_len
 
 
 class PromptLookup:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from tandem.errors import InvalidArgument, PositionMismatch, ResourceExhausted, SessionNotFound
-from tandem.ngram import RepeatWatches
+from tandem.ngram import LookupRule, NgramIndex, RepeatWatches
 from tandem.sampling import SamplingParams
 
 
@@ -44,6 +44,8 @@ class Session:
     prompt_row: Any = None
     #: Where the caller's prompt lookup could draft (VerifyItem.stop_at_repeat); built on first use.
     repeats: RepeatWatches | None = None
+    #: The caller's prompt lookup run here (VerifyItem.lookup): an index of the sequence; built on first use.
+    lookup_index: NgramIndex | None = None
 
     @property
     def position(self) -> int:
@@ -54,6 +56,18 @@ class Session:
         if self.repeats is None:
             self.repeats = RepeatWatches()
         return self.repeats.ends_with_repeat(self.tokens, n)
+
+    def lookup_draft(self, rule: LookupRule, room: int) -> tuple[list[int], int]:
+        """The draft the caller's prompt lookup (`rule`) would send after this sequence, and its match length."""
+        index = self.lookup_index
+        if (
+            index is None
+            or (index.n_min, index.n_max) != (rule.ngram_min, rule.ngram_max)
+            or index.indexed > len(self.tokens)
+        ):
+            index = self.lookup_index = NgramIndex(rule.ngram_min, rule.ngram_max)
+        index.extend(self.tokens)
+        return rule.draft(index, self.tokens, room)
 
     def expect_position(self, position: int, key: Hashable) -> Any | None:
         """Check a call keyed by position; return the cached answer when it is an exact retry of the last call."""
@@ -210,6 +224,7 @@ class SessionStore:
             del session.tokens[pos:]
             session.last_call = None
             session.repeats = None  # its watches index only a growing sequence
+            session.lookup_index = None  # as does the lookup's index
         return [session for session, _ in sessions]
 
     def close(self, session_id: str) -> Session | None:

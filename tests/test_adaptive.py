@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from services.gateway.adaptive import (
@@ -12,6 +14,7 @@ from services.gateway.adaptive import (
     MatchLengthPolicy,
     worth_drafting_ahead,
 )
+from tandem.ngram import LookupRule, NgramIndex
 
 
 def costs_with(fixed_ms: float, per_token_ms: float, sequences: int = 1, overhead_ms: float = 0.0) -> CostModel:
@@ -261,3 +264,47 @@ def test_match_policy_respects_n_min() -> None:
     policy = MatchLengthPolicy(costs_with(14.5, 4.7, overhead_ms=2.0), n_min=3)
     assert policy.choose(match_len=3, available=2) == 0
     assert policy.choose(match_len=9, available=8) == 8
+
+
+def test_lookup_rule_keeps_what_the_match_policy_keeps() -> None:
+    """The target drafts with LookupRule, the gateway's own rounds with MatchLengthPolicy: given the policy's rates
+    and costs, both keep the same number of tokens of every proposal (one function, best_draft_length, decides)."""
+    rng = random.Random(4)
+    for trial in range(200):
+        costs = costs_with(rng.uniform(5, 20), rng.uniform(0.5, 6), overhead_ms=rng.uniform(0, 3))
+        if trial % 2:
+            costs.observe_plain_token(rng.uniform(5, 25) * 1e6)
+        policy = MatchLengthPolicy(costs, n_min=rng.choice([0, 1, 2]))
+        for _ in range(rng.randrange(60)):
+            policy.choose(match_len=rng.randrange(2, 40), available=rng.randrange(1, 16))
+            drafted = rng.randrange(1, 9)
+            policy.observe(drafted, rng.randrange(drafted + 1))
+        rule = LookupRule(
+            max_draft=16,
+            min_draft=policy.n_min,
+            bucket_rates=policy.bucket_rates(),
+            round_costs=tuple(costs.round_ns(k) for k in range(17)),
+            plain_cost=costs.plain_ns(),
+        )
+        for match_len in (2, 3, 5, 9, 17, 32):
+            for available in range(0, 17):
+                assert rule.keep(match_len, available) == policy.best_k(match_len, available), (trial, match_len)
+
+
+def test_lookup_rule_checks_its_fields_and_caps_drafts() -> None:
+    with pytest.raises(ValueError):
+        LookupRule(ngram_min=0)
+    with pytest.raises(ValueError):
+        LookupRule(ngram_min=5, ngram_max=4)
+    with pytest.raises(ValueError):
+        LookupRule(max_draft=2, bucket_rates=(0.5,) * 7, round_costs=(1.0, 1.0), plain_cost=1.0)  # needs 3 costs
+    with pytest.raises(ValueError):
+        LookupRule(max_draft=1, bucket_rates=(1.5,) * 7, round_costs=(1.0, 1.0), plain_cost=1.0)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6]  # a 6-token match: 5 tokens proposed (7, 8, 9, 1, 2)
+    index = NgramIndex(2, 16)
+    index.extend(tokens)
+    assert LookupRule(max_draft=8, end_position=100).draft(index, tokens, 100) == ([7, 8, 9, 1, 2], 6)
+    assert LookupRule(max_draft=3, end_position=100).draft(index, tokens, 100)[0] == [7, 8, 9]
+    assert LookupRule(max_draft=8, end_position=len(tokens) + 3).draft(index, tokens, 100)[0] == [7, 8]  # + bonus
+    assert LookupRule(max_draft=8, end_position=100).draft(index, tokens, 1)[0] == [7]  # context room
+    assert LookupRule(max_draft=8, min_draft=6, end_position=100).draft(index, tokens, 100)[0] == []

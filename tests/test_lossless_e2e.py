@@ -324,8 +324,11 @@ def exact_local_serial_gateway(exact_target: Service, service_tmp: Path) -> Iter
 @pytest.fixture(scope="module")
 def exact_local_one_token_gateway(exact_target: Service, service_tmp: Path) -> Iterator[Service]:
     """Pipelined rounds of one token each: by default a call carries as many target steps as fit in 40 ms, so how
-    many calls a generation takes would depend on this host's speed (3 calls in 2 on a faster host)."""
-    service = start_gateway(exact_target.address, None, service_tmp, "--local-ngram", "--plain-burst-ms", "0")
+    many calls a generation takes would depend on this host's speed (3 calls in 2 on a faster host). The gateway
+    runs every draft itself (no `--target-lookup`): its stretches end at each repeat."""
+    service = start_gateway(
+        exact_target.address, None, service_tmp, "--local-ngram", "--plain-burst-ms", "0", "--no-target-lookup"
+    )
     yield service
     service.stop()
 
@@ -348,8 +351,11 @@ def test_pipelined_rounds_without_a_draft_change_nothing(
 
 @pytest.fixture(scope="module")
 def exact_local_burst_gateway(exact_target: Service, service_tmp: Path) -> Iterator[Service]:
-    """Prompt lookup in the gateway, and a second's worth of target-only steps per call between its drafts."""
-    service = start_gateway(exact_target.address, None, service_tmp, "--local-ngram", "--plain-burst-ms", "1000")
+    """Prompt lookup in the gateway, and a second's worth of target-only steps per call between its drafts, which
+    it sends itself (no `--target-lookup`)."""
+    service = start_gateway(
+        exact_target.address, None, service_tmp, "--local-ngram", "--plain-burst-ms", "1000", "--no-target-lookup"
+    )
     yield service
     service.stop()
 
@@ -368,6 +374,33 @@ def test_lookup_stretches_of_several_tokens_a_call_change_nothing(
         assert serial["timings"]["verify_calls"] == serial["timings"]["verify_steps"]
         assert burst["timings"]["verify_steps"] == serial["timings"]["verify_steps"]  # the same rounds...
         assert burst["timings"]["verify_calls"] < serial["timings"]["verify_calls"] / 2  # ...in far fewer calls
+
+
+@pytest.fixture(scope="module")
+def exact_local_target_lookup_gateway(exact_target: Service, service_tmp: Path) -> Iterator[Service]:
+    """Prompt lookup in the gateway, run by the target inside its target-only calls (`--target-lookup`, the default),
+    one token a call so that the calls do not depend on this host's speed."""
+    service = start_gateway(exact_target.address, None, service_tmp, "--local-ngram", "--plain-burst-ms", "0")
+    yield service
+    service.stop()
+
+
+@pytest.mark.parametrize("sampling", GREEDY_AND_SEEDED, ids=["greedy", "sampled"])
+def test_drafts_the_target_runs_for_the_gateway_change_nothing(
+    exact_local_target_lookup_gateway: Service, exact_local_serial_gateway: Service, sampling: dict
+) -> None:
+    """With `--target-lookup` the target drafts with the gateway's rule inside pipelined target-only calls, so most
+    rounds cost no call of their own. The text, the drafts and their acceptance must be those of the gateway sending
+    every round itself, one call at a time, greedy and seeded sampling alike."""
+    for prompt in (PROMPTS[2], PROMPTS[0]):  # free prose (few drafts), code (more)
+        inside = _chat(exact_local_target_lookup_gateway, prompt, n_max=8, **sampling)
+        serial = _chat(exact_local_serial_gateway, prompt, n_max=8, **sampling)
+        keys = ("draft_n", "draft_n_accepted", "predicted_n", "rounds", "verify_steps", "draft_length_mean")
+        _assert_same_generation(inside, serial, keys)
+        assert serial["timings"]["target_rounds"] == 0
+        assert inside["timings"]["target_rounds"] > inside["timings"]["rounds"] / 2  # most rounds ran in the target
+        assert inside["timings"]["verify_calls"] == serial["timings"]["verify_calls"]  # a step a call, both...
+        assert inside["timings"]["pipelined_rounds"] > 10 and serial["timings"]["pipelined_rounds"] == 0  # ...queued
 
 
 @pytest.fixture(scope="module")

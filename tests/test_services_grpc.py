@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import grpc
@@ -10,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from tandem.ngram import LookupRule, NgramIndex
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tests.conftest import Service, start_model_service
@@ -600,4 +602,139 @@ def test_a_call_pipelined_behind_one_stopped_at_a_repeat_is_skipped(target_chann
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     rest = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=result.position, plain_steps=3)]))
     assert [t.id for t in [*result.tokens, *rest.results[0].tokens]] == reference[: len(result.tokens) + 3]
+    stub.Close(pb.CloseRequest(session_ids=[sid]))
+
+
+LOOKUP_PROMPT = (
+    "def area(width, height):\n    return width * height\n\n"
+    "def volume(width, height, depth):\n    return width * height * depth\n\n"
+    "Rewrite both unchanged:\ndef area(width, height):\n    return"
+)
+
+
+def _opened(stub: pb_grpc.TargetStub, prompt: list[int], sampling=GREEDY) -> tuple[str, int, list[int]]:
+    """A new session: its id, its position after the first token, and its sequence (prompt and that token)."""
+    sid = _sid()
+    item = pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=sampling)
+    opened = stub.Open(pb.OpenRequest(items=[item])).results[0]
+    return sid, opened.position, [*prompt, opened.first_token.id]
+
+
+def _rounds_one_call_each(
+    stub: pb_grpc.TargetStub, prompt: list[int], rule: LookupRule, n: int, sampling=GREEDY
+) -> tuple[list[int], list[tuple[int, int, int, int]]]:
+    """What a caller with this lookup rule gets sending every round itself, one Verify each (tandem.ngram's drafter
+    and rule, as the gateway runs them): the tokens after the first, and (offset, match length, drafted, accepted)
+    of each round that drafted."""
+    sid, pos, sequence = _opened(stub, prompt, sampling)
+    rule = dataclasses.replace(rule, end_position=pos + n)
+    index = NgramIndex(rule.ngram_min, rule.ngram_max)
+    tokens: list[int] = []
+    rounds = []
+    while len(tokens) < n:
+        index.extend(sequence)
+        drafts, match = rule.draft(index, sequence, 10_000)
+        item = pb.VerifyItem(session_id=sid, position=pos, draft_token_ids=drafts)
+        r = stub.Verify(pb.VerifyRequest(items=[item])).results[0]
+        if drafts:
+            rounds.append((len(tokens), match, len(drafts), r.num_accepted))
+        emitted = [t.id for t in r.tokens]
+        tokens += emitted
+        sequence += emitted
+        pos = r.position
+    stub.Close(pb.CloseRequest(session_ids=[sid]))
+    return tokens[:n], rounds
+
+
+def _rule_pb(rule: LookupRule, end_position: int) -> pb.LookupRule:
+    return pb.LookupRule(
+        ngram_min=rule.ngram_min,
+        ngram_max=rule.ngram_max,
+        max_draft=rule.max_draft,
+        min_draft=rule.min_draft,
+        end_position=end_position,
+        bucket_rates=rule.bucket_rates,
+        round_costs=rule.round_costs,
+        plain_cost=rule.plain_cost,
+    )
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, pb.SamplingParams(temperature=0.8, seed=3)], ids=["greedy", "sampled"])
+def test_target_drafts_with_the_callers_lookup_rule(target_channel: grpc.Channel, sampling: pb.SamplingParams) -> None:
+    """VerifyItem.lookup: one target-only call in which the target drafts as the caller's prompt lookup would, round
+    by round. Each round verifies the same tokens in the same batch as a caller's own Verify would, so the tokens,
+    the rounds and their acceptance are those of one call per round, greedy and seeded sampling alike."""
+    stub = pb_grpc.TargetStub(target_channel)
+    assert stub.Info(pb.InfoRequest()).prompt_lookup
+    prompt = _prompt(stub, LOOKUP_PROMPT)
+    rule = LookupRule(ngram_min=2, ngram_max=16, max_draft=8, min_draft=1)
+    n = 40
+    reference, reference_rounds = _rounds_one_call_each(stub, prompt, rule, n, sampling)
+    assert reference_rounds and any(accepted > 0 for *_, accepted in reference_rounds)  # the prompt repeats
+
+    sid, pos, _ = _opened(stub, prompt, sampling)
+    tokens: list[int] = []
+    rounds = []
+    steps = 0
+    while len(tokens) < n:
+        item = pb.VerifyItem(
+            session_id=sid, position=pos, plain_steps=n - len(tokens), lookup=_rule_pb(rule, pos - len(tokens) + n)
+        )
+        reply = stub.Verify(pb.VerifyRequest(items=[item]))
+        r = reply.results[0]
+        rounds += [(len(tokens) + lr.offset, lr.match_len, lr.drafted, lr.accepted) for lr in r.lookup_rounds]
+        assert all(lr.forward_ns > 0 and lr.step_tokens == lr.drafted + 1 for lr in r.lookup_rounds)
+        steps += reply.timing.steps
+        tokens += [t.id for t in r.tokens]
+        pos = r.position
+    assert tokens[:n] == reference
+    assert rounds == reference_rounds
+    assert steps < n  # rounds that accepted drafts emitted several tokens a step
+    stub.Close(pb.CloseRequest(session_ids=[sid]))
+
+
+def test_lookup_drafts_refuse_the_call_behind_and_bad_rules(target_channel: grpc.Channel) -> None:
+    """A call whose drafts were accepted past the tokens it asked for leaves the session further on: the call
+    pipelined behind it is refused (FAILED_PRECONDITION) and changes nothing. A rule that does not hold together, or
+    one on a call with drafts or stop_at_repeat, is INVALID_ARGUMENT."""
+    stub = pb_grpc.TargetStub(target_channel)
+    prompt = _prompt(stub, LOOKUP_PROMPT)
+    rule = LookupRule(ngram_min=2, ngram_max=16, max_draft=8, min_draft=1)
+    sid, pos, _ = _opened(stub, prompt)
+    end = pos + 60
+    first = stub.Verify.future(
+        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=2, lookup=_rule_pb(rule, end))])
+    )
+    behind = stub.Verify.future(
+        pb.VerifyRequest(
+            items=[pb.VerifyItem(session_id=sid, position=pos + 2, plain_steps=2, lookup=_rule_pb(rule, end))]
+        )
+    )
+    result = first.result().results[0]
+    assert result.lookup_rounds[0].accepted > 0 and result.position > pos + 2  # the prompt's code is copied
+    with pytest.raises(grpc.RpcError) as info:
+        behind.result()
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    rest = stub.Verify(
+        pb.VerifyRequest(
+            items=[pb.VerifyItem(session_id=sid, position=result.position, plain_steps=2, lookup=_rule_pb(rule, end))]
+        )
+    )
+    assert rest.results[0].position > result.position  # the refused call changed nothing: decoding goes on
+    bad = [
+        pb.VerifyItem(session_id=sid, position=pos, lookup=pb.LookupRule(ngram_min=0, ngram_max=16, max_draft=8)),
+        pb.VerifyItem(
+            session_id=sid,
+            position=pos,
+            lookup=pb.LookupRule(
+                ngram_min=2, ngram_max=16, max_draft=2, bucket_rates=[0.5] * 7, round_costs=[1.0], plain_cost=1.0
+            ),
+        ),
+        pb.VerifyItem(session_id=sid, position=pos, draft_token_ids=[5], lookup=_rule_pb(rule, end)),
+        pb.VerifyItem(session_id=sid, position=pos, stop_at_repeat=3, lookup=_rule_pb(rule, end)),
+    ]
+    for item in bad:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Verify(pb.VerifyRequest(items=[item]))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     stub.Close(pb.CloseRequest(session_ids=[sid]))

@@ -17,8 +17,9 @@ request that stopped drafting can start again.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
+
+from tandem.ngram import MATCH_BUCKETS, best_draft_length, match_bucket
 
 PRIOR_RATE = 0.5  # acceptance assumed at a position before anything is observed
 PRIOR_WEIGHT = 2.0  # ... worth this many observations
@@ -145,16 +146,28 @@ class CostModel:
     def round_ns(self, k: int) -> float | None:
         """A round with k draft tokens: the step of k + 1 tokens as measured at that size when this session steps
         alone (else from the line, its fixed part shared by the batch), the round's overhead and the draft's cost."""
+        return self._round_ns(k, self.overhead_ns or 0.0)
+
+    def _round_ns(self, k: int, overhead: float) -> float | None:
         line = self.line()
         if line is None:
             return None
-        overhead = self.overhead_ns or 0.0
         measured = self.step_ns(k + 1) if self.sequences < 1.5 else None
         if measured is not None:
             return measured + overhead + self.draft_token_ns * k
         fixed, per_token = line
         shared = (fixed + overhead) / max(self.sequences, 1.0)
         return shared + per_token * (k + 1) + self.draft_token_ns * k
+
+    def in_call_costs(self, max_draft: int) -> tuple[list[float], float] | None:
+        """(cost of a round with 0..max_draft drafts, cost of a plain token) where the target drafts inside its own
+        target-only calls (`LookupRule`): no round trip, so a round costs its forward pass and the per-token share of
+        the pipelined calls' messages, as a plain token does. None until both are measured."""
+        if self.line() is None or self.plain_token_ns is None or self.plain_step_ns is None:
+            return None
+        extra = max(self.plain_token_ns - self.plain_step_ns, 0.0)
+        costs = [self._round_ns(k, extra) for k in range(max_draft + 1)]
+        return costs, self.plain_token_ns  # type: ignore[return-value]
 
 
 @dataclass
@@ -300,13 +313,7 @@ def worth_following_up(tracker: AcceptanceTracker) -> bool:
     return 1.0 - tracker.rate(0) >= FOLLOW_UP_MIN_MISS
 
 
-# Prompt lookup: acceptance by how long the match is at each drafted position (bucket lower bounds, in tokens).
-MATCH_BUCKETS = (2, 3, 4, 6, 9, 16, 32)
 PRIOR_MISS = 0.125  # prior: a position continuing an n-token match is rejected with probability PRIOR_MISS / n
-
-
-def _match_bucket(n: int) -> int:
-    return max(bisect.bisect_right(MATCH_BUCKETS, n) - 1, 0)
 
 
 @dataclass
@@ -335,9 +342,14 @@ class MatchLengthPolicy:
 
     def rate(self, n: int) -> float:
         """Estimated P(a draft position continuing an n-token match is accepted)."""
-        b = _match_bucket(n)
+        return self._bucket_rate(match_bucket(n))
+
+    def _bucket_rate(self, b: int) -> float:
         prior = 1.0 - PRIOR_MISS / MATCH_BUCKETS[b]
         return (self.accepted[b] + prior * PRIOR_WEIGHT) / (self.reached[b] + PRIOR_WEIGHT)
+
+    def bucket_rates(self) -> tuple[float, ...]:
+        return tuple(self._bucket_rate(b) for b in range(len(MATCH_BUCKETS)))
 
     def choose(self, match_len: int, available: int) -> int:
         """How many of the `available` proposed tokens (behind a `match_len`-token match) to send this round."""
@@ -347,20 +359,17 @@ class MatchLengthPolicy:
 
     def best_k(self, match_len: int, available: int) -> int:
         """`choose` without recording the choice (the gateway asks it ahead, for pipelined rounds)."""
-        lo = max(self.n_min, 1)
-        if available < lo:
-            k = 0
-        elif self.costs.round_ns(0) is None:
-            k = available  # cost curve not known yet: the drafter's own rule (and the fit sees varied step sizes)
-        else:
-            k, best = 0, 1.0 / self.costs.plain_ns()
-            expected, survive = 1.0, 1.0
-            for n in range(1, available + 1):
-                survive *= self.rate(match_len + n - 1)
-                expected += survive
-                if n >= lo and expected / self.costs.round_ns(n) > best:
-                    k, best = n, expected / self.costs.round_ns(n)
-        return k
+        if available < max(self.n_min, 1):
+            return 0
+        if self.costs.round_ns(0) is None:
+            return available  # cost curve not known yet: the drafter's own rule (and the fit sees varied step sizes)
+        costs = [self.costs.round_ns(n) for n in range(available + 1)]
+        return best_draft_length(match_len, available, self.n_min, self.bucket_rates(), costs, self.costs.plain_ns())
+
+    def observe_round(self, match_len: int, drafted: int, accepted: int) -> None:
+        """A round the target drafted itself (`LookupRule`), behind a `match_len`-token match."""
+        self._match = match_len
+        self.observe(drafted, accepted)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """One round's outcome (every round, drafted or not: the decay runs per round)."""
@@ -368,7 +377,7 @@ class MatchLengthPolicy:
             self.reached[b] *= DECAY
             self.accepted[b] *= DECAY
         for i in range(min(drafted, accepted + 1)):
-            b = _match_bucket(self._match + i)
+            b = match_bucket(self._match + i)
             self.reached[b] += 1
             if i < accepted:
                 self.accepted[b] += 1

@@ -153,6 +153,7 @@ class Serving:
             self.settings.plain_pipeline,
             self.settings.local_ngram_max,
             self.settings.plain_burst_ms,
+            self.settings.target_lookup,
         )
 
     async def deltas(self, generation: Generation, stop: Sequence[str]) -> AsyncIterator[Delta]:

@@ -78,6 +78,7 @@ class GenerationStats:
     pipelined_rounds: int = 0  # rounds without a draft sent before the previous one's answer (see _lookup_stretch)
     follow_ups: int = 0  # target-only calls sent ahead with a lookup round (see _follow_up)
     follow_ups_used: int = 0  # ... that the round's outcome let run: each saved the target a round trip idle
+    target_rounds: int = 0  # rounds the target drafted inside target-only calls with the gateway's rule
     draft_n: int = 0
     draft_n_accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -135,6 +136,7 @@ class GenerationStats:
             "pipelined_rounds": self.pipelined_rounds,
             "follow_ups": self.follow_ups,
             "follow_ups_used": self.follow_ups_used,
+            "target_rounds": self.target_rounds,
             "draft_compute_ms": round(self.draft_forward_ns / 1e6, 3),
             "verify_compute_ms": round(self.verify_forward_ns / 1e6, 3),
             "draft_rpc_ms": round(self.draft_ns / 1e6, 3),
@@ -191,6 +193,7 @@ class Generation:
         plain_pipeline: int = PLAIN_PIPELINE,
         ngram_max: int = NGRAM_MAX,
         plain_burst_ms: float = PLAIN_BURST_MS,
+        target_lookup: bool = True,
     ) -> None:
         self.up = upstreams
         self.plain_pipeline = plain_pipeline
@@ -219,6 +222,16 @@ class Generation:
         # Rounds without a draft go out pipelined when the gateway knows which tokens would end them: the lookup
         # runs here, or the draft service drafts only behind a repeat (see _lookup_stretch).
         self._pipelines_lookup = (self._local is not None or self._service_repeat > 0) and plain_pipeline > 1
+        # ... and where the target can run the gateway's lookup rule itself, its calls draft as the main loop would
+        # (VerifyItem.lookup): a stretch then goes on through the repeats instead of ending at each.
+        self._target_lookup = (
+            target_lookup
+            and self._local is not None
+            and self._pipelines_lookup
+            and upstreams.target_info.prompt_lookup
+            and request.n_max > 0
+        )
+        self._ngram_max = ngram_max
         self._finished = False  # set by _lookup_stretch when the generation ended inside it
         self._repeats = RepeatWatches()  # where the lookup could draft again (see _lookup_stretch)
         self._draft_open = False
@@ -518,14 +531,20 @@ class Generation:
         self._target_pos = result.position
         done = time.perf_counter_ns()
         round_ns = done - since
-        if self._plain_done is not None and result.tokens:
+        # Rounds the target drafted in the call report their own steps; the cost line and the plain token's cost
+        # come from the plain steps only.
+        lookup_ns = sum(r.forward_ns for r in result.lookup_rounds)
+        plain_steps = max(timing.steps, 1) - len(result.lookup_rounds)
+        plain_tokens = len(result.tokens) - sum(r.accepted + 1 for r in result.lookup_rounds)
+        if self._plain_done is not None and plain_tokens > 0:
             # Queued behind the call before it: the time between their answers is what its tokens cost.
-            self.costs.observe_plain_token((done - self._plain_done) / len(result.tokens))
+            self.costs.observe_plain_token((done - self._plain_done - lookup_ns) / plain_tokens)
         self._plain_done = done
         self.stats.verify_ns += round_ns
-        steps = max(timing.steps, 1)
-        self.costs.observe_verify(timing.step_tokens, timing.step_sequences, timing.forward_ns // steps)
-        self.costs.observe_plain_step(timing.forward_ns / steps)
+        if plain_steps > 0:
+            plain_ns = (timing.forward_ns - lookup_ns) // plain_steps
+            self.costs.observe_verify(timing.step_tokens, timing.step_sequences, plain_ns)
+            self.costs.observe_plain_step(plain_ns)
         if self.metrics:
             self.metrics.observe_round(0, 0, round_ns, timing.forward_ns)
         return result
@@ -595,16 +614,24 @@ class Generation:
             inflight.append((follow.call, follow.steps, follow.stop_at_repeat, follow.span))
             planned, sent = follow.steps, 1
         repeated = False  # the sequence reached a repeat (or a call ended early): send nothing more
+        # The target drafts with the gateway's rule (self._target_lookup): a call that accepted drafts past what it
+        # asked for leaves the calls behind it refused; once they are back, the stretch goes on from there.
+        restart = False
         next_floor: int | None = None  # the floor the repeat check just computed, for the call sent next
         try:
             while True:
                 while (
                     not repeated
+                    and not restart
                     and len(inflight) < self.plain_pipeline
                     and self._produced + planned < self.req.max_tokens
                     and (sent == 0 or not self._draft_kept_waiting())  # the first call always: progress
                 ):
-                    if sent == 0:
+                    lookup = None
+                    if self._target_lookup:
+                        n, floor = self._plain_steps(self.req.max_tokens - self._produced - planned), 0
+                        lookup = self._lookup_rule()
+                    elif sent == 0:
                         n, floor = 1, 0
                     else:
                         n = self._plain_steps(self.req.max_tokens - self._produced - planned)
@@ -612,11 +639,16 @@ class Generation:
                         next_floor = None
                     position = self._target_pos + planned
                     span = first_round if sent == 0 and first_round is not None else self._child("round")
-                    call = self._verify([], [], span, position=position, timed=False, steps=n, stop_at_repeat=floor)
+                    call = self._verify(
+                        [], [], span, position=position, timed=False, steps=n, stop_at_repeat=floor, lookup=lookup
+                    )
                     inflight.append((asyncio.ensure_future(call), n, floor, span))
                     planned += n
                     sent += 1
                 if not inflight:
+                    if restart and not self._finished:
+                        restart = False
+                        continue
                     return
                 call, n, _, span = inflight.popleft()
                 planned -= n
@@ -625,13 +657,20 @@ class Generation:
                 try:
                     result = await self._await_plain(call, time.perf_counter_ns())
                 except grpc.aio.AioRpcError as exc:
-                    if repeated and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    if (repeated or restart) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         continue  # skipped, as it should be: behind a repeat or behind a call that ended early
                     raise
                 finally:
                     span.end()
+                rounds = {r.offset: r for r in result.lookup_rounds}
+                drafted_until = 0  # tokens before this index belong to a round the target drafted
                 for i, token in enumerate(result.tokens):
-                    self._draftless_round(counted=first_call and i == 0)
+                    target_round = rounds.get(i)
+                    if target_round is not None:
+                        self._target_round(target_round, counted=first_call and i == 0)
+                        drafted_until = i + target_round.accepted + 1
+                    elif i >= drafted_until:
+                        self._draftless_round(counted=first_call and i == 0)
                     if self._emitted(token):
                         self._finished = True
                         yield token
@@ -640,8 +679,11 @@ class Generation:
                 if not first_call:
                     self.stats.pipelined_rounds += len(result.tokens)
                 if result.position != expected:
-                    repeated = True
-                elif not repeated:
+                    if self._target_lookup and result.lookup_rounds:
+                        restart = True  # drafts took it further: the calls behind are refused, then go on
+                    else:
+                        repeated = True
+                elif not repeated and not self._target_lookup:
                     if inflight:
                         repeated = self._ends_with_repeat(inflight[0][2])
                     else:  # nothing behind: the floor the next call would get (same state until it is sent)
@@ -657,6 +699,45 @@ class Generation:
     def _draft_kept_waiting(self) -> bool:
         """A draft service has had no Propose for DRAFT_KEEPALIVE_NS: end the stretch before its session expires."""
         return self._service_repeat > 0 and time.perf_counter_ns() - self._last_propose_ns > DRAFT_KEEPALIVE_NS
+
+    def _target_round(self, done: pb.LookupRound, counted: bool) -> None:
+        """Account for a round the target drafted with this request's lookup rule as for one of the main loop's
+        (`counted`: the main loop already counted its k)."""
+        self.stats.observe_round(done.drafted, done.accepted)
+        self.stats.target_rounds += 1
+        self.costs.observe_verify(done.step_tokens, done.step_sequences, done.forward_ns)
+        self.acceptance.observe(done.drafted, done.accepted)
+        if self.match_policy is not None:
+            self.match_policy.observe_round(done.match_len, done.drafted, done.accepted)
+        if self.metrics:
+            self.metrics.observe_round(done.drafted, done.accepted, done.forward_ns, done.forward_ns)
+        if counted:
+            return
+        self.stats.k_rounds += 1
+        if self.match_policy is not None:
+            self.stats.k_chosen += done.drafted
+        else:
+            self.stats.k_chosen += min(self.req.n_max, max(self.req.max_tokens - self._produced - 1, 0))
+
+    def _lookup_rule(self) -> pb.LookupRule:
+        """This request's lookup rule, for the target to draft with (VerifyItem.lookup): the same proposals, and
+        with adaptive k the match policy's rates, priced as rounds without a round trip (`in_call_costs`)."""
+        rule = pb.LookupRule(
+            ngram_min=self.req.ngram_min,
+            ngram_max=self._ngram_max,
+            max_draft=self.req.n_max,
+            min_draft=self.req.n_min,
+            end_position=self._target_pos + self.req.max_tokens - self._produced,
+        )
+        if self.match_policy is not None and self.costs.round_ns(0) is not None:
+            priced = self.costs.in_call_costs(self.req.n_max)
+            if priced is None:
+                plain = self.costs.plain_ns()
+                priced = [self.costs.round_ns(k) for k in range(self.req.n_max + 1)], plain
+            rule.bucket_rates.extend(self.match_policy.bucket_rates())
+            rule.round_costs.extend(priced[0])
+            rule.plain_cost = priced[1]
+        return rule
 
     def _draftless_round(self, counted: bool) -> None:
         """Account for one round without a draft in a lookup stretch as the main loop would (`counted`: the main loop
@@ -873,6 +954,7 @@ class Generation:
         timed: bool = True,
         steps: int = 1,
         stop_at_repeat: int = 0,
+        lookup: pb.LookupRule | None = None,
     ) -> tuple[pb.VerifyResult, pb.Timing]:
         v0 = time.perf_counter_ns()
         span = self._child("verify", round_span)
@@ -888,6 +970,7 @@ class Generation:
                             **({"bonus_guess": guess} if guess is not None else {}),
                             plain_steps=steps if steps > 1 else 0,
                             stop_at_repeat=stop_at_repeat,
+                            lookup=lookup,
                         )
                     ],
                     **_traced(span),

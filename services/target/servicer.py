@@ -26,6 +26,7 @@ from services.target.verifier import (
 from tandem.convert import dist_from_pb, info_pb, sampling_from_pb, serving_stats
 from tandem.errors import InvalidArgument, TandemError
 from tandem.grpc_server import EngineWorker, ServiceLoading, stream_replies
+from tandem.ngram import LookupRule
 from tandem.scheduler import Again, StepScheduler
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -45,17 +46,21 @@ class _PlainRun:
     """One multi-token call's progress between its steps. `then` runs where each step ran (the engine thread, or the
     serving thread for an inline step) and says what to compute next: see StepScheduler.batched."""
 
-    def __init__(self, specs: list[VerifySpec], steps: list[int]) -> None:
+    def __init__(self, specs: list[VerifySpec], steps: list[int], lookups: list[LookupRule | None]) -> None:
         self.specs = specs
         self.chains = [
-            PlainChain(spec.position, n, stop_at_repeat=spec.stop_at_repeat)
-            for spec, n in zip(specs, steps, strict=True)
+            PlainChain(spec.position, n, stop_at_repeat=spec.stop_at_repeat, lookup=rule)
+            for spec, n, rule in zip(specs, steps, lookups, strict=True)
         ]
         self.results: list[VerifyResult] | None = None
         self.going = list(range(len(specs)))  # items that want more tokens
         self.steps = 0
         self.forward_ns = 0
-        self.step_tokens = 0  # summed over the steps, with the sessions they shared a pass with
+        # Steps without a lookup round: their count, time and shape summed (with the sessions they shared a pass
+        # with), for the caller's cost line; a lookup round reports its own step.
+        self.plain_steps = 0
+        self.plain_forward_ns = 0
+        self.step_tokens = 0
         self.step_sequences = 0
 
     def first(self) -> list[VerifySpec]:
@@ -67,16 +72,20 @@ class _PlainRun:
                 return outcome  # the first step fails the call as a whole
             return self.results  # the tokens so far stand; the next call meets the error
         self.steps += 1
-        if outcome:
-            step = outcome[0].step
-            self.forward_ns += step.forward_ns
-            self.step_tokens += step.tokens
-            self.step_sequences += step.sequences
+        before = [len(self.results[i].lookup_rounds) if self.results else 0 for i in self.going]
         if self.results is None:
             self.results = list(outcome)
         else:
             for i, answer in zip(self.going, outcome, strict=True):
                 self.results[i] = answer  # it carries the call's earlier tokens too (PlainChain.earlier)
+        if outcome:
+            step = outcome[0].step
+            self.forward_ns += step.forward_ns
+            if all(len(self.results[i].lookup_rounds) == n for i, n in zip(self.going, before, strict=True)):
+                self.plain_steps += 1
+                self.plain_forward_ns += step.forward_ns
+                self.step_tokens += step.tokens
+                self.step_sequences += step.sequences
         self.going = [i for i, chain in enumerate(self.chains) if not chain.done(self.results[i])]
         if not self.going:
             return self.results
@@ -87,11 +96,35 @@ class _PlainRun:
                     self.results[i].position,
                     (),
                     None,
-                    chain=dataclasses.replace(self.chains[i], earlier=self.results[i].tokens),
+                    chain=dataclasses.replace(
+                        self.chains[i], earlier=self.results[i].tokens, earlier_rounds=self.results[i].lookup_rounds
+                    ),
                 )
                 for i in self.going
             ]
         )
+
+
+def _lookup_rule(item: pb.VerifyItem) -> LookupRule | None:
+    """The caller's prompt-lookup rule of a target-only call (VerifyItem.lookup), checked."""
+    if not item.HasField("lookup"):
+        return None
+    if item.draft_token_ids or item.stop_at_repeat:
+        raise InvalidArgument("lookup needs an item without draft tokens and without stop_at_repeat")
+    rule = item.lookup
+    try:
+        return LookupRule(
+            ngram_min=rule.ngram_min,
+            ngram_max=rule.ngram_max,
+            max_draft=rule.max_draft,
+            min_draft=rule.min_draft,
+            end_position=rule.end_position,
+            bucket_rates=tuple(rule.bucket_rates),
+            round_costs=tuple(rule.round_costs),
+            plain_cost=rule.plain_cost,
+        )
+    except ValueError as exc:
+        raise InvalidArgument(f"lookup: {exc}") from exc
 
 
 class TargetServicer(pb_grpc.TargetServicer):
@@ -153,6 +186,7 @@ class TargetServicer(pb_grpc.TargetServicer):
         v = self._ready()
         msg = serving_stats(info_pb(v.engine), v.store, self.scheduler)
         msg.synthetic_acceptance = v.synthetic_label
+        msg.prompt_lookup = True
         return msg
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
@@ -201,13 +235,16 @@ class TargetServicer(pb_grpc.TargetServicer):
             for item in request.items
         ]
         steps = [max(item.plain_steps, 1) for item in request.items]
+        lookups = [_lookup_rule(item) for item in request.items]
         before = {self._chains[spec.session_id] for spec in specs if spec.session_id in self._chains}
-        if max(steps, default=1) > 1:
-            run = _PlainRun(specs, steps)
+        if max(steps, default=1) > 1 or any(lookups):
+            run = _PlainRun(specs, steps, lookups)
             results = await self._in_order(before, specs, lambda: self._plain_chains(run))
-            # The steps' mean shape against their mean forward time: a point the caller's cost model can fit (the
-            # last step's shape against the mean time was not, once other sessions joined some of the steps).
-            shape = StepShape(round(run.step_sequences / run.steps), round(run.step_tokens / run.steps), run.forward_ns)
+            # The plain steps' mean shape against their mean forward time: a point the caller's cost model can fit
+            # (the last step's shape against the mean time was not, once other sessions joined some of the steps).
+            # forward_ns counts every step, lookup rounds too (they report their own steps).
+            n = max(run.plain_steps, 1)
+            shape = StepShape(round(run.step_sequences / n), round(run.step_tokens / n), run.forward_ns)
             timing = self._timing(t0, f0, shape)
             timing.steps = run.steps
         else:
@@ -221,6 +258,18 @@ class TargetServicer(pb_grpc.TargetServicer):
                     num_accepted=r.num_accepted,
                     tokens=[token_to_pb(t) for t in r.tokens],
                     position=r.position,
+                    lookup_rounds=[
+                        pb.LookupRound(
+                            offset=lr.offset,
+                            match_len=lr.match_len,
+                            drafted=lr.drafted,
+                            accepted=lr.accepted,
+                            forward_ns=lr.step.forward_ns,
+                            step_sequences=lr.step.sequences,
+                            step_tokens=lr.step.tokens,
+                        )
+                        for lr in r.lookup_rounds
+                    ],
                 )
                 for r in results
             ],

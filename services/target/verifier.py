@@ -18,6 +18,7 @@ import numpy as np
 from tandem import sampling
 from tandem.engine import DecodeItem, Engine
 from tandem.errors import ConditionNotMet, InvalidArgument, SessionNotFound, TandemError
+from tandem.ngram import LookupRule
 from tandem.sampling import SamplingParams, SparseDist
 from tandem.scheduler import plan_step, step_results
 from tandem.sessions import Session, SessionStore, make_rng
@@ -48,6 +49,26 @@ class OpenResult:
 
 
 @dataclass(frozen=True)
+class StepShape:
+    """Sessions and tokens in the forward pass that served a call (several calls share one when batched)."""
+
+    sequences: int = 0
+    tokens: int = 0
+    forward_ns: int = 0  # the step's time inside llama_decode
+
+
+@dataclass(frozen=True)
+class LookupRound:
+    """A round drafted here with the caller's prompt-lookup rule (VerifyItem.lookup), as the call reports it."""
+
+    offset: int  # index of its first token among the call's tokens; it emitted accepted + 1 from there
+    match_len: int
+    drafted: int
+    accepted: int
+    step: StepShape
+
+
+@dataclass(frozen=True)
 class PlainChain:
     """A call that decodes several plain tokens, one step each (`VerifyItem.plain_steps`), as one of its steps sees it.
 
@@ -59,6 +80,8 @@ class PlainChain:
     steps: int  # tokens it asks for
     earlier: tuple[EmittedToken, ...] = ()  # tokens its earlier steps emitted
     stop_at_repeat: int = 0  # end the call once the sequence ends with this many tokens seen together before
+    lookup: LookupRule | None = None  # the caller's prompt lookup, drafted here before each step
+    earlier_rounds: tuple[LookupRound, ...] = ()  # lookup rounds of its earlier steps
 
     @property
     def key(self) -> tuple:
@@ -80,6 +103,7 @@ class VerifySpec:
     unless_pending_in: frozenset[int] = frozenset()  # pipelined plain rounds: skip if the pending token is one of these
     chain: PlainChain | None = None  # one step of a multi-token plain call
     stop_at_repeat: int = 0  # plain calls: skip if the sequence already ends with a repeat of this many tokens
+    lookup_match: int = 0  # a chain step whose drafts the caller's lookup rule chose: the match behind them
 
     @property
     def key(self) -> tuple:
@@ -90,15 +114,6 @@ class VerifySpec:
 
 
 @dataclass(frozen=True)
-class StepShape:
-    """Sessions and tokens in the forward pass that served a call (several calls share one when batched)."""
-
-    sequences: int = 0
-    tokens: int = 0
-    forward_ns: int = 0  # the step's time inside llama_decode
-
-
-@dataclass(frozen=True)
 class VerifyResult:
     session_id: str
     num_accepted: int
@@ -106,6 +121,7 @@ class VerifyResult:
     position: int
     step: StepShape = StepShape()
     ends_repeat: bool = False  # a chain step with stop_at_repeat: the sequence now ends with such a repeat
+    lookup_rounds: tuple[LookupRound, ...] = ()  # rounds drafted here with the caller's lookup rule, in order
 
 
 MAX_TOP_LOGPROBS = 20
@@ -249,10 +265,15 @@ class Verifier:
             session.last_call = (spec.key, result)
             chain = spec.chain
             if chain is not None:  # one step of a multi-token call: answer with all of the call's tokens so far
+                rounds = chain.earlier_rounds
+                if spec.lookup_match:
+                    drafted, accepted = len(spec.draft_tokens), result.num_accepted
+                    rounds = (*rounds, LookupRound(len(chain.earlier), spec.lookup_match, drafted, accepted, step))
                 result = dataclasses.replace(
                     result,
                     tokens=(*chain.earlier, *result.tokens),
                     ends_repeat=bool(chain.stop_at_repeat) and session.ends_with_repeat(chain.stop_at_repeat),
+                    lookup_rounds=rounds,
                 )
                 if chain.done(result):
                     session.last_call = (chain.key, result)  # an exact retry of the whole call gets all of it
@@ -273,6 +294,12 @@ class Verifier:
         for spec in specs:
             session = self.store.get(spec.session_id)
             hit = session.expect_position(spec.position, spec.key)
+            if hit is None and spec.chain is not None and spec.chain.lookup is not None and not spec.draft_tokens:
+                # The caller's prompt lookup, run here: the draft it would have sent in a round of its own.
+                room = self.engine.n_ctx - session.position - 1
+                drafts, match_len = session.lookup_draft(spec.chain.lookup, room)
+                if drafts:
+                    spec = dataclasses.replace(spec, draft_tokens=tuple(drafts), lookup_match=match_len)
             if hit is None:
                 if spec.unless_pending_in and session.tokens[-1] in spec.unless_pending_in:
                     raise ConditionNotMet(
