@@ -146,28 +146,16 @@ class CostModel:
     def round_ns(self, k: int) -> float | None:
         """A round with k draft tokens: the step of k + 1 tokens as measured at that size when this session steps
         alone (else from the line, its fixed part shared by the batch), the round's overhead and the draft's cost."""
-        return self._round_ns(k, self.overhead_ns or 0.0)
-
-    def _round_ns(self, k: int, overhead: float) -> float | None:
         line = self.line()
         if line is None:
             return None
+        overhead = self.overhead_ns or 0.0
         measured = self.step_ns(k + 1) if self.sequences < 1.5 else None
         if measured is not None:
             return measured + overhead + self.draft_token_ns * k
         fixed, per_token = line
         shared = (fixed + overhead) / max(self.sequences, 1.0)
         return shared + per_token * (k + 1) + self.draft_token_ns * k
-
-    def in_call_costs(self, max_draft: int) -> tuple[list[float], float] | None:
-        """(cost of a round with 0..max_draft drafts, cost of a plain token) where the target drafts inside its own
-        target-only calls (`LookupRule`): no round trip, so a round costs its forward pass and the per-token share of
-        the pipelined calls' messages, as a plain token does. None until both are measured."""
-        if self.line() is None or self.plain_token_ns is None or self.plain_step_ns is None:
-            return None
-        extra = max(self.plain_token_ns - self.plain_step_ns, 0.0)
-        costs = [self._round_ns(k, extra) for k in range(max_draft + 1)]
-        return costs, self.plain_token_ns  # type: ignore[return-value]
 
 
 @dataclass
