@@ -599,6 +599,13 @@ class Generation:
         stretch of DRAFT_KEEPALIVE_NS ends early, so that the service's session does not expire meanwhile). Returns at
         the end of the generation too (then `_finished` is set).
 
+        Where the target can run the lookup itself (`_target_lookup`: the gateway's --local-ngram, a target whose
+        Info declares prompt_lookup), the calls carry the lookup rule instead of stop_at_repeat (`_lookup_rule`,
+        VerifyItem.lookup): the target drafts before each step as the main loop would, and reports those rounds
+        (`_target_round` accounts for them). Nothing then ends the stretch at a repeat; a call whose drafts took the
+        sequence past the tokens it asked for leaves the calls behind it refused, and the stretch goes on from there
+        once they are back. It returns at the end of the generation.
+
         Each call is a round span of its own, with its verify span below it; the first call's is `first_round`, the
         round whose lookup found nothing (its span ends with that call). A stretch can also start from a lookup
         round's follow-up call (`follow`, see `_follow_up`), already on its way: it is then the first call.
@@ -648,6 +655,7 @@ class Generation:
                 if not inflight:
                     if restart and not self._finished:
                         restart = False
+                        self._plain_done = None  # the next call is not queued behind another: no plain token's cost
                         continue
                     return
                 call, n, _, span = inflight.popleft()
