@@ -341,6 +341,13 @@ def acceptance_probability(p: np.ndarray, q: SparseDist | None, token: int) -> f
     return min(1.0, pt / qt)
 
 
+def _support_in(q: SparseDist, vocab: int) -> np.ndarray:
+    """q's token ids, checked against the target's vocabulary."""
+    if int(q.token_ids.max()) >= vocab:
+        raise ValueError("draft distribution has token ids outside the target vocab")
+    return q.token_ids
+
+
 def residual_distribution(p: np.ndarray, q: SparseDist | None, token: int) -> np.ndarray:
     """norm(max(0, p - q)): what to sample from after a rejection so the overall output is exactly p.
 
@@ -352,10 +359,8 @@ def residual_distribution(p: np.ndarray, q: SparseDist | None, token: int) -> np
     if q is None:
         r[token] = 0.0
     else:
-        if int(q.token_ids.max()) >= p.size:
-            raise ValueError("draft distribution has token ids outside the target vocab")
-        # q is zero off its support, so only its support can change.
-        r[q.token_ids] = np.maximum(0.0, p[q.token_ids] - q.probs)
+        ids = _support_in(q, p.size)  # q is zero off its support, so only its support can change
+        r[ids] = np.maximum(0.0, p[ids] - q.probs)
     mass = float(r.sum())
     if mass <= RESIDUAL_EPS:
         return p.copy()
@@ -497,9 +502,7 @@ class WarpedRows(_RowsOnDemand):
             ids = np.array([token])
             new = np.zeros(1)
         else:
-            if int(q.token_ids.max()) >= w.size:
-                raise ValueError("draft distribution has token ids outside the target vocab")
-            ids = q.token_ids
+            ids = _support_in(q, w.size)
             new = np.maximum(0.0, w[ids].astype(np.float64) - q.probs * total)
         old = w[ids]  # a copy (fancy indexing)
         if (total - float(old.sum(dtype=np.float64)) + float(new.sum())) / total <= RESIDUAL_EPS:

@@ -349,10 +349,18 @@ class MatchLengthPolicy:
         """`choose` without recording the choice (the gateway asks it ahead, for pipelined rounds)."""
         if available < max(self.n_min, 1):
             return 0
-        if self.costs.round_ns(0) is None:
+        priced = self.pricing(available)
+        if priced is None:
             return available  # cost curve not known yet: the drafter's own rule (and the fit sees varied step sizes)
-        costs = [self.costs.round_ns(n) for n in range(available + 1)]
-        return best_draft_length(match_len, available, self.n_min, self.bucket_rates(), costs, self.costs.plain_ns())
+        return best_draft_length(match_len, available, self.n_min, *priced)
+
+    def pricing(self, max_draft: int) -> tuple[tuple[float, ...], list[float], float] | None:
+        """What `best_draft_length` weighs with: the rate by match bucket, the cost of a round with 0..max_draft
+        drafts and of a plain token. None until the cost curve is known (then every proposal is kept whole)."""
+        if self.costs.round_ns(0) is None:
+            return None
+        costs = [self.costs.round_ns(n) for n in range(max_draft + 1)]
+        return self.bucket_rates(), costs, self.costs.plain_ns()  # type: ignore[return-value]
 
     def observe_round(self, match_len: int, drafted: int, accepted: int) -> None:
         """A round the target drafted itself (`LookupRule`), behind a `match_len`-token match."""

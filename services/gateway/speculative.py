@@ -743,10 +743,11 @@ class Generation:
             min_draft=self.req.n_min,
             end_position=self._target_pos + self.req.max_tokens - self._produced,
         )
-        if self.match_policy is not None and self.costs.round_ns(0) is not None:
-            rule.bucket_rates.extend(self.match_policy.bucket_rates())
-            rule.round_costs.extend(self.costs.round_ns(k) for k in range(self.req.n_max + 1))  # type: ignore[misc]
-            rule.plain_cost = self.costs.plain_ns()  # type: ignore[assignment]
+        priced = self.match_policy.pricing(self.req.n_max) if self.match_policy is not None else None
+        if priced is not None:
+            rule.bucket_rates.extend(priced[0])
+            rule.round_costs.extend(priced[1])
+            rule.plain_cost = priced[2]
         return rule
 
     def _draftless_round(self, counted: bool) -> None:

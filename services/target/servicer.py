@@ -56,10 +56,9 @@ class _PlainRun:
         self.going = list(range(len(specs)))  # items that want more tokens
         self.steps = 0
         self.forward_ns = 0
-        # Steps without a lookup round: their count, time and shape summed (with the sessions they shared a pass
-        # with), for the caller's cost line; a lookup round reports its own step.
+        # Steps without a lookup round: their count and shape summed (with the sessions they shared a pass with),
+        # for the caller's cost line; a lookup round reports its own step.
         self.plain_steps = 0
-        self.plain_forward_ns = 0
         self.step_tokens = 0
         self.step_sequences = 0
 
@@ -83,7 +82,6 @@ class _PlainRun:
             self.forward_ns += step.forward_ns
             if all(len(self.results[i].lookup_rounds) == n for i, n in zip(self.going, before, strict=True)):
                 self.plain_steps += 1
-                self.plain_forward_ns += step.forward_ns
                 self.step_tokens += step.tokens
                 self.step_sequences += step.sequences
         self.going = [i for i, chain in enumerate(self.chains) if not chain.done(self.results[i])]
