@@ -11,6 +11,7 @@ layers, devices, threads) come from the command line, so the same harness runs u
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shlex
 import signal
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,20 +64,43 @@ class Record:
 
 
 @dataclass
+class Peer:
+    """A llama-server process and how it was started (to start it again on the same port)."""
+
+    proc: subprocess.Popen
+    cmd: list[str]
+    log_path: Path
+    url: str
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@dataclass
 class Stack:
     processes: list[Process] = field(default_factory=list)
-    peers: list[subprocess.Popen] = field(default_factory=list)
+    peers: list[Peer] = field(default_factory=list)
 
     def stop(self) -> None:
         for p in reversed(self.processes):
             p.stop()
-        for proc in self.peers:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        for peer in self.peers:
+            peer.stop()
+
+    def restart_peers(self, urls: set[str]) -> None:
+        """Start the llama-servers serving `urls` afresh, on the same ports: their state across requests (ngram-mod's
+        n-gram pool, which drafts a repeated prompt's earlier answer) starts empty again."""
+        for i, peer in enumerate(self.peers):
+            if peer.url not in urls:
+                continue
+            peer.stop()
+            self.peers[i] = _launch_peer(peer.cmd, peer.log_path, peer.url)
 
 
 def start_tandem(
@@ -154,11 +179,21 @@ def start_peer(binary: str, extra: list[str], log_dir: Path, stack: Stack, model
     port = free_port()
     log_path = log_dir / f"llama-server-{port}.log"
     cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", "1", "--no-webui", *extra]
-    with open(log_path, "wb") as log:
+    peer = _launch_peer(cmd, log_path, f"http://127.0.0.1:{port}")
+    stack.peers.append(peer)
+    return peer.url
+
+
+def _launch_peer(cmd: list[str], log_path: Path, url: str) -> Peer:
+    with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    stack.peers.append(proc)
-    wait_http_ok(f"http://127.0.0.1:{port}/health", proc, 300)
-    return f"http://127.0.0.1:{port}"
+    peer = Peer(proc, cmd, log_path, url)
+    try:
+        wait_http_ok(f"{url}/health", proc, 300)
+    except BaseException:
+        peer.stop()
+        raise
+    return peer
 
 
 # llama-server's n-gram drafters ignore --spec-draft-n-max (that is the draft model's); each has its own lengths.
@@ -301,10 +336,15 @@ def request(client: httpx.Client, config: Config, workload: Workload, prompt: st
 
 
 def run(
-    configs: list[Config], loads: list[Workload], reps: int, max_tokens: int, records: list[Record] | None = None
+    configs: list[Config],
+    loads: list[Workload],
+    reps: int,
+    max_tokens: int,
+    records: list[Record] | None = None,
+    before_rep: Callable[[int], None] | None = None,
 ) -> list[Record]:
     """Every configuration on every prompt, `reps` times; appends to `records` as it goes (an interrupted run keeps
-    what it measured)."""
+    what it measured). `before_rep(rep)` runs before each repetition after the first (e.g. fresh peers)."""
     from tqdm import tqdm
 
     total = reps * sum(len(w.prompts) for w in loads) * len(configs)
@@ -314,6 +354,8 @@ def run(
         for config in configs:
             request(client, config, loads[0], "Hello", 8)
         for rep in range(reps):
+            if rep and before_rep is not None:
+                before_rep(rep)
             for workload in loads:
                 for i, prompt in enumerate(workload.prompts):
                     shift = (rep + i) % len(configs)
@@ -490,6 +532,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="REGEX",
         help="run only the configurations whose name matches (and their baselines), e.g. 'target-only|^llama-server$'",
     )
+    parser.add_argument(
+        "--fresh-peers",
+        action="store_true",
+        help="restart the llama-servers before each repetition: a repetition then meets no state an earlier one left"
+        " (ngram-mod's n-gram pool drafts a repeated prompt's earlier answer, which tandem keeps no memory of)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<time>)")
     parser.add_argument("--label", default="", help="a note stored with the results (machine, date, ...)")
     parser.add_argument(
@@ -525,7 +573,9 @@ def main(argv: list[str] | None = None) -> int:
         # SIGTERM (a timeout, a killed job) ends the run like Ctrl-C: the report covers the requests done so far.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
-            run(configs, loads, reps, args.max_tokens, records)
+            peer_urls = {c.url for c in configs if c.family == "llama-server"}
+            fresh = functools.partial(_fresh_peers, stack, peer_urls) if args.fresh_peers and peer_urls else None
+            run(configs, loads, reps, args.max_tokens, records, fresh)
         except KeyboardInterrupt:
             if not records:
                 raise
@@ -539,11 +589,12 @@ def main(argv: list[str] | None = None) -> int:
             "reps": reps,
             "ks": ks,
             "max_tokens": args.max_tokens,
+            "fresh_peers": bool(args.fresh_peers),
             "seconds": round(time.time() - started, 1),
             "machine": machine(),
             **({"interrupted_after_requests": len(records)} if interrupted else {}),
         }
-        write_report(out, meta, rows, records)
+        write_report(out, meta, rows, records, *_versus(configs, records))
     finally:
         stack.stop()
     return 0
@@ -568,8 +619,21 @@ def resummarise(path: Path) -> int:
     by_name = {w.name: w for w in workloads(False)}
     loads = [by_name[name] for name in dict.fromkeys(r.workload for r in records)]
     meta = {**data["meta"], "resummarised": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    write_report(path.parent, meta, summarise(configs, loads, records), records)
+    write_report(path.parent, meta, summarise(configs, loads, records), records, *_versus(configs, records))
     return 0
+
+
+def _fresh_peers(stack: Stack, urls: set[str], rep: int) -> None:
+    print(f"\nrepetition {rep + 1}: restarting {len(urls)} llama-server(s)", file=sys.stderr, flush=True)
+    stack.restart_peers(urls)
+
+
+def _versus(configs: list[Config], records: list[Record]) -> tuple[list[dict], dict[str, float]]:
+    """The best-against-best comparison and the baselines' spread between repetitions (bench.versus)."""
+    from bench.versus import baseline_spread, versus
+
+    baselines = list(dict.fromkeys(c.baseline for c in configs))
+    return versus(configs, records), baseline_spread(records, baselines)
 
 
 if __name__ == "__main__":

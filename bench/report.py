@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from bench.versus import versus_table
+
 
 def _fmt(value: object, digits: int = 2) -> str:
     if value is None:
@@ -144,7 +146,29 @@ def _machine_line(machine: dict) -> str:
     return f" · {machine['cpu']}, {machine['cpus']} CPUs, {'/'.join(machine.get('simd', [])) or 'no AVX2'}"
 
 
-def write_report(out: Path, meta: dict, rows: list[dict], records: list) -> None:
+def head_to_head_section(head_to_head: list[dict], noise: dict[str, float]) -> str:
+    """The versus table (bench.versus) with the run's noise, or nothing when one family is missing."""
+    if not head_to_head:
+        return ""
+    spread = ", ".join(f"{name} {value:.2f}" for name, value in noise.items())
+    return (
+        "## Best against best\n\n"
+        "Each side's best speculative configuration per workload (geometric mean of per-prompt, per-repetition "
+        "speedups), with a bootstrap interval over the (prompt, repetition) units that re-selects each side's best in "
+        "every resample.\n"
+        + (f"Repetitions of one prompt differed by (median max/min tok/s): {spread}.\n" if spread else "")
+        + f"\n{versus_table(head_to_head)}\n\n"
+    )
+
+
+def write_report(
+    out: Path,
+    meta: dict,
+    rows: list[dict],
+    records: list,
+    head_to_head: list[dict] | None = None,
+    noise: dict[str, float] | None = None,
+) -> None:
     summary = speedup_table(rows)
     detail = detail_table(rows)
     text = (
@@ -156,11 +180,22 @@ def write_report(out: Path, meta: dict, rows: list[dict], records: list) -> None
             if meta.get("interrupted_after_requests")
             else ""
         )
-        + f"## Decode tok/s (speedup over its own baseline)\n\n{summary}\n\n## Details\n\n{detail}\n"
+        + f"## Decode tok/s (speedup over its own baseline)\n\n{summary}\n\n"
+        + head_to_head_section(head_to_head or [], noise or {})
+        + f"## Details\n\n{detail}\n"
     )
     (out / "table.md").write_text(text)
     (out / "results.json").write_text(
-        json.dumps({"meta": meta, "rows": rows, "records": [asdict(r) for r in records]}, indent=1)
+        json.dumps(
+            {
+                "meta": meta,
+                "rows": rows,
+                "head_to_head": head_to_head or [],
+                "noise": noise or {},
+                "records": [asdict(r) for r in records],
+            },
+            indent=1,
+        )
     )
     written = plots(out, rows)
     print(text)
