@@ -628,12 +628,14 @@ def _fresh_peers(stack: Stack, urls: set[str], rep: int) -> None:
     stack.restart_peers(urls)
 
 
-def _versus(configs: list[Config], records: list[Record]) -> tuple[list[dict], dict[str, float]]:
-    """The best-against-best comparison and the baselines' spread between repetitions (bench.versus)."""
-    from bench.versus import baseline_spread, versus
+def _versus(configs: list[Config], records: list[Record]) -> tuple[list[dict], dict[str, float], list[dict]]:
+    """The best-against-best comparison, the baselines' spread between repetitions, and target-only against
+    llama-server's plain decoding (bench.versus)."""
+    from bench.versus import baseline_spread, plain_versus, versus
 
     baselines = list(dict.fromkeys(c.baseline for c in configs))
-    return versus(configs, records), baseline_spread(records, baselines)
+    ours = [b for b in baselines if any(c.name == b and c.family == "tandem" for c in configs)]
+    return versus(configs, records), baseline_spread(records, baselines), plain_versus(records, ours)
 
 
 if __name__ == "__main__":

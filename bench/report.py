@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.versus import versus_table
+from bench.versus import plain_table, versus_table
 
 
 def _fmt(value: object, digits: int = 2) -> str:
@@ -146,9 +146,9 @@ def _machine_line(machine: dict) -> str:
     return f" · {machine['cpu']}, {machine['cpus']} CPUs, {'/'.join(machine.get('simd', [])) or 'no AVX2'}"
 
 
-def head_to_head_section(head_to_head: list[dict], noise: dict[str, float]) -> str:
-    """The versus table (bench.versus) with the run's noise, or nothing when one family is missing."""
-    if not head_to_head:
+def head_to_head_section(head_to_head: list[dict], noise: dict[str, float], plain: list[dict]) -> str:
+    """The versus tables (bench.versus) with the run's noise, or nothing when one family is missing."""
+    if not head_to_head and not plain:
         return ""
     spread = ", ".join(f"{name} {value:.2f}" for name, value in noise.items())
     return (
@@ -158,6 +158,12 @@ def head_to_head_section(head_to_head: list[dict], noise: dict[str, float]) -> s
         "every resample.\n"
         + (f"Repetitions of one prompt differed by (median max/min tok/s): {spread}.\n" if spread else "")
         + f"\n{versus_table(head_to_head)}\n\n"
+        + (
+            "Target-only decoding against llama-server's plain decoding, per (prompt, repetition) unit, geometric mean "
+            f"with a bootstrap interval:\n\n{plain_table(plain)}\n\n"
+            if plain
+            else ""
+        )
     )
 
 
@@ -168,6 +174,7 @@ def write_report(
     records: list,
     head_to_head: list[dict] | None = None,
     noise: dict[str, float] | None = None,
+    plain: list[dict] | None = None,
 ) -> None:
     summary = speedup_table(rows)
     detail = detail_table(rows)
@@ -181,7 +188,7 @@ def write_report(
             else ""
         )
         + f"## Decode tok/s (speedup over its own baseline)\n\n{summary}\n\n"
-        + head_to_head_section(head_to_head or [], noise or {})
+        + head_to_head_section(head_to_head or [], noise or {}, plain or [])
         + f"## Details\n\n{detail}\n"
     )
     (out / "table.md").write_text(text)
@@ -192,6 +199,7 @@ def write_report(
                 "rows": rows,
                 "head_to_head": head_to_head or [],
                 "noise": noise or {},
+                "plain_versus": plain or [],
                 "records": [asdict(r) for r in records],
             },
             indent=1,

@@ -107,6 +107,60 @@ def versus(
     return rows
 
 
+def plain_versus(
+    records: Sequence[_Record],
+    baselines: Sequence[str],
+    peer: str = "llama-server",
+    resamples: int = 2000,
+    seed: int = 0,
+    level: float = 0.9,
+) -> list[dict]:
+    """tandem's target-only decoding against llama-server's plain decoding (the same llama.cpp underneath), per
+    workload and tandem baseline: the geometric mean over (prompt, repetition) units of their tok/s ratio, with a
+    bootstrap interval at `level`."""
+    rate: dict[tuple[str, str], dict[Unit, float]] = defaultdict(dict)
+    for r in records:
+        if r.timings.get("predicted_per_second"):
+            rate[(r.config, r.workload)][(r.prompt, r.rep)] = r.timings["predicted_per_second"]
+    rows = []
+    tail = (1.0 - level) / 2
+    for workload in dict.fromkeys(r.workload for r in records):
+        theirs = rate.get((peer, workload), {})
+        for baseline in baselines:
+            ours = rate.get((baseline, workload), {})
+            units = sorted(set(ours) & set(theirs))
+            if not units:
+                continue
+            ratios = np.array([ours[u] / theirs[u] for u in units])
+            draws = np.random.default_rng(seed).integers(0, len(units), size=(resamples, len(units)))
+            boot = _geomean_rows(ratios, draws)
+            rows.append(
+                {
+                    "workload": workload,
+                    "baseline": baseline,
+                    "units": len(units),
+                    "ratio": float(np.exp(np.log(ratios).mean())),
+                    "ratio_lo": float(np.quantile(boot, tail)),
+                    "ratio_hi": float(np.quantile(boot, 1.0 - tail)),
+                    "level": level,
+                }
+            )
+    return rows
+
+
+def plain_table(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    pct = round(100 * rows[0]["level"])
+    lines = [f"| workload | tandem | units | tok/s / llama-server's ({pct}% interval) |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['workload']} | {r['baseline']} | {r['units']} | {r['ratio']:.2f} ({r['ratio_lo']:.2f}-"
+            f"{r['ratio_hi']:.2f}) |"
+        )
+    return "\n".join(lines)
+
+
 def baseline_spread(records: Sequence[_Record], baselines: Sequence[str]) -> dict[str, float]:
     """The run's noise in one number per baseline: the median over prompts of max/min decode tok/s across
     repetitions of the same prompt (1.0: every repetition equally fast)."""

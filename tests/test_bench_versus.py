@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.harness import Config, Record, Stack, start_peer
-from bench.versus import baseline_spread, unit_speedups, versus, versus_table
+from bench.versus import baseline_spread, plain_table, plain_versus, unit_speedups, versus, versus_table
 
 UNITS = [(0, 0), (0, 1), (1, 0), (1, 1)]
 
@@ -80,6 +80,19 @@ def test_a_workload_without_the_peer_is_left_out_and_the_table_says_what_it_foun
     assert [r["workload"] for r in rows] == ["edit"]
     table = versus_table(rows)
     assert "| edit | 4 | 1.50x ngram | 1.00x llama-server ngram | 1.50 (1.50-1.50) | 100% |" in table
+
+
+def test_plain_versus_compares_target_only_with_llama_servers_plain_decoding_unit_by_unit() -> None:
+    recs = [rec("llama-server", u, v) for u, v in zip(UNITS, [50.0, 100.0, 50.0, 100.0], strict=True)]
+    recs += [rec("target-only", u, v) for u, v in zip(UNITS, [45.0, 90.0, 45.0, 90.0], strict=True)]  # 0.9 of it
+    recs += [rec("co-located target-only", u, 50.0) for u in UNITS[:2]]  # 1.0 and 0.5
+    rows = plain_versus(recs, ["target-only", "co-located target-only"])
+    steady, colocated = rows
+    assert (steady["ratio"], steady["ratio_lo"], steady["ratio_hi"]) == pytest.approx((0.9, 0.9, 0.9))
+    assert steady["units"] == 4
+    assert colocated["units"] == 2 and colocated["ratio"] == pytest.approx(0.5**0.5)
+    assert 0.5 <= colocated["ratio_lo"] < colocated["ratio"] < colocated["ratio_hi"] <= 1.0
+    assert "| edit | target-only | 4 | 0.90 (0.90-0.90) |" in plain_table(rows)
 
 
 def test_baseline_spread_is_the_median_max_over_min_across_repetitions() -> None:
