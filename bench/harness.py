@@ -319,6 +319,14 @@ def request(client: httpx.Client, config: Config, workload: Workload, prompt: st
     }
     if workload.seed is not None:
         body["seed"] = workload.seed
+    if workload.temperature > 0:
+        # The same distribution on both sides: softmax(logits / T) over the whole vocabulary, tandem's default (top_p
+        # 1 and no top-k, as OpenAI's API). Left to its defaults, llama-server would truncate it first (top_k 40,
+        # top_p 0.95, min_p 0.05): a different text to draft, and a cheaper draw per token.
+        body["top_p"] = 1.0
+        body["top_k"] = 0
+        if config.family == "llama-server":
+            body["min_p"] = 0.0
     if config.n_max is not None:
         body["speculative.n_max"] = config.n_max
         if config.family == "llama-server" and config.n_max:
