@@ -16,6 +16,16 @@ from tandem.sampling import SamplingParams
 MAX_STOP_SEQUENCES = 16
 # Explicit OpenAI defaults change nothing and are accepted.
 HARMLESS_VALUES: dict[str, tuple] = {"best_of": (1,), "response_format": ({"type": "text"},)}
+# llama-server's sampler extensions, accepted at the value that leaves the distribution as it is; any other would
+# change what is sampled, so it is a 400 rather than ignored (Open WebUI and llama.cpp clients send some of them).
+SAMPLER_EXTENSIONS: dict[str, float] = {
+    "min_p": 0.0,
+    "typical_p": 1.0,
+    "repeat_penalty": 1.0,
+    "mirostat": 0,
+    "dry_multiplier": 0.0,
+    "xtc_probability": 0.0,
+}
 # Accepted by OpenAI but not served here: ignoring them would change the answer silently.
 UNSUPPORTED = (
     "tools",
@@ -113,6 +123,15 @@ class SamplingFields(BaseModel):
             value = extra.get(name)
             if value not in (None, 0, 0.0):
                 raise OpenAIError(400, f"parameter {name!r} is not supported (only 0)", name)
+        for name, neutral in SAMPLER_EXTENSIONS.items():
+            value = extra.get(name)
+            if value is not None and value != neutral:
+                raise OpenAIError(
+                    400,
+                    f"parameter {name!r} is not supported (only its neutral value {neutral}); this server samples"
+                    " with temperature, top_k and top_p",
+                    name,
+                )
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise OpenAIError(400, "seed must be a non-negative 63-bit integer", "seed")
         return self
