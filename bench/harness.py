@@ -364,6 +364,8 @@ def run(
         for rep in range(reps):
             if rep and before_rep is not None:
                 before_rep(rep)
+                for config in configs:  # restarted servers start cold again
+                    request(client, config, loads[0], "Hello", 8)
             for workload in loads:
                 for i, prompt in enumerate(workload.prompts):
                     shift = (rep + i) % len(configs)
