@@ -34,24 +34,28 @@ class _Record(Protocol):
     timings: dict
 
 
-def unit_speedups(configs: Sequence[_Config], records: Sequence[_Record]) -> dict[tuple[str, str], dict[Unit, float]]:
-    """Each speculative configuration's decode speedup over its baseline, per workload and (prompt, repetition)."""
+def _unit_rates(records: Sequence[_Record]) -> dict[tuple[str, str], dict[Unit, float]]:
+    """Decode tok/s by (configuration, workload) and (prompt, repetition)."""
     rate: dict[tuple[str, str], dict[Unit, float]] = defaultdict(dict)
     for r in records:
         tok_s = r.timings.get("predicted_per_second")
         if tok_s:
             rate[(r.config, r.workload)][(r.prompt, r.rep)] = tok_s
+    return rate
+
+
+def unit_speedups(configs: Sequence[_Config], records: Sequence[_Record]) -> dict[tuple[str, str], dict[Unit, float]]:
+    """Each speculative configuration's decode speedup over its baseline, per workload and (prompt, repetition)."""
+    rate = _unit_rates(records)
+    baseline = {c.name: c.baseline for c in configs if c.baseline != c.name}
     out: dict[tuple[str, str], dict[Unit, float]] = {}
-    for c in configs:
-        if c.baseline == c.name:
+    for (name, workload), rates in rate.items():
+        if name not in baseline:
             continue
-        for (name, workload), rates in rate.items():
-            if name != c.name:
-                continue
-            base = rate.get((c.baseline, workload), {})
-            ratios = {u: v / base[u] for u, v in rates.items() if u in base}
-            if ratios:
-                out[(c.name, workload)] = ratios
+        base = rate.get((baseline[name], workload), {})
+        ratios = {u: v / base[u] for u, v in rates.items() if u in base}
+        if ratios:
+            out[(name, workload)] = ratios
     return out
 
 
@@ -118,10 +122,7 @@ def plain_versus(
     """tandem's target-only decoding against llama-server's plain decoding (the same llama.cpp underneath), per
     workload and tandem baseline: the geometric mean over (prompt, repetition) units of their tok/s ratio, with a
     bootstrap interval at `level`."""
-    rate: dict[tuple[str, str], dict[Unit, float]] = defaultdict(dict)
-    for r in records:
-        if r.timings.get("predicted_per_second"):
-            rate[(r.config, r.workload)][(r.prompt, r.rep)] = r.timings["predicted_per_second"]
+    rate = _unit_rates(records)
     rows = []
     tail = (1.0 - level) / 2
     for workload in dict.fromkeys(r.workload for r in records):

@@ -16,9 +16,12 @@ from tandem.sampling import SamplingParams
 MAX_STOP_SEQUENCES = 16
 # Explicit OpenAI defaults change nothing and are accepted.
 HARMLESS_VALUES: dict[str, tuple] = {"best_of": (1,), "response_format": ({"type": "text"},)}
-# llama-server's sampler extensions, accepted at the value that leaves the distribution as it is; any other would
-# change what is sampled, so it is a 400 rather than ignored (Open WebUI and llama.cpp clients send some of them).
-SAMPLER_EXTENSIONS: dict[str, float] = {
+# OpenAI's penalties and llama-server's sampler extensions, accepted at the value that leaves the distribution as it
+# is; any other would change what is sampled, so it is a 400 rather than ignored (Open WebUI and llama.cpp clients
+# send some of them).
+NEUTRAL_ONLY: dict[str, float] = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
     "min_p": 0.0,
     "typical_p": 1.0,
     "repeat_penalty": 1.0,
@@ -119,11 +122,7 @@ class SamplingFields(BaseModel):
             value = extra.get(name)
             if value not in HARMLESS_VALUES.get(name, ()) and value not in (None, [], {}, False, "none", "auto"):
                 raise OpenAIError(400, f"parameter {name!r} is not supported by this server", name)
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = extra.get(name)
-            if value not in (None, 0, 0.0):
-                raise OpenAIError(400, f"parameter {name!r} is not supported (only 0)", name)
-        for name, neutral in SAMPLER_EXTENSIONS.items():
+        for name, neutral in NEUTRAL_ONLY.items():
             value = extra.get(name)
             if value is not None and value != neutral:
                 raise OpenAIError(
