@@ -24,6 +24,9 @@ from tandem.sampling import (
     SparseDist,
     VerifyOutcome,
     WarpedRows,
+    _inverse_cdf,
+    _near_inverse_cdf,
+    _temperature_weights,
     acceptance_probability,
     draft_distribution,
     residual_distribution,
@@ -398,6 +401,53 @@ def test_sample_logits_draws_one_uniform_and_matches_frequencies() -> None:
     assert rng.random() == reference.random()
     sigma = np.sqrt(p * (1 - p) / n)
     assert np.all(np.abs(counts / n - p) <= 5 * sigma + 1e-12)
+
+
+def _near_and_whole(logits: np.ndarray, temperature: float, u: float) -> tuple[int | None, int]:
+    """`_near_inverse_cdf` and the whole-vocabulary inverse CDF it stands in for, at the same uniform."""
+    top = float(logits.max())
+    near = _near_inverse_cdf(logits, top, temperature, u)
+    whole = _inverse_cdf(_temperature_weights(logits, top, temperature), _FixedUniform(u), u)  # type: ignore[arg-type]
+    return near, whole
+
+
+@pytest.mark.parametrize("temperature", [0.5, 0.7, 1.0])
+def test_near_inverse_cdf_settles_most_draws_as_the_whole_cdf_would(temperature: float) -> None:
+    """Rows shaped like a language model's (a few likely tokens above a wide tail): the near tokens settle almost
+    every draw, and each settled draw is the token the whole CDF gives for the same uniform (up to rounding at a
+    boundary, which none of these 6,000 draws met)."""
+    rng = np.random.default_rng(int(temperature * 100))
+    settled = 0
+    for row in range(3):
+        logits = (rng.standard_normal(49_152) * 2).astype(np.float32)  # the tail, some of it near at T=1
+        logits[rng.integers(0, logits.size, 200)] = rng.uniform(10.0, 24.0, 200).astype(np.float32)
+        p = warp(logits, SamplingParams(temperature=temperature))
+        for u in [0.0, float(np.nextafter(1.0, 0.0)), *rng.random(2000)]:
+            near, whole = _near_and_whole(logits, temperature, u)
+            if near is not None:
+                settled += 1
+                assert near == whole or _boundary_distance(p, u) < 1e-12, (row, u, near, whole)
+    assert settled >= 0.95 * 3 * 2002
+
+
+def test_near_inverse_cdf_leaves_far_tokens_and_flat_rows_to_the_whole_cdf() -> None:
+    """A draw that lands on a far token (the tail past the near mass, or a far token before the first near one at
+    u = 0) and a row where most tokens are near are not settled; the whole CDF, which sample_logits falls back to
+    with the same uniform, returns the far token."""
+    logits = np.full(20_000, -21.0, dtype=np.float32)  # far: e^-21 of the top each, together ~1.5e-5 of the mass
+    logits[[5, 700, 9000]] = [0.0, -0.5, -2.0]
+    temperature = 1.0
+    near, whole = _near_and_whole(logits, temperature, 0.0)
+    assert near is None and whole == 0  # token 0 is far and has weight: the first CDF interval is its
+    u_tail = float(np.nextafter(1.0, 0.0))
+    near, whole = _near_and_whole(logits, temperature, u_tail)
+    assert near is None and whole not in (5, 700, 9000)
+    assert sample_logits(logits, SamplingParams(temperature=temperature), _FixedUniform(u_tail)) == whole  # type: ignore[arg-type]
+    for u in (0.01, 0.4, 0.9):
+        near, whole = _near_and_whole(logits, temperature, u)
+        assert near == whole and near in (5, 700, 9000)
+    flat = np.zeros(4096, dtype=np.float32)
+    assert _near_and_whole(flat, temperature, 0.3) == (None, int(0.3 * 4096))
 
 
 def test_warped_rows_sample_matches_the_warped_row() -> None:
