@@ -106,10 +106,12 @@ def by_match(k_max: int, overhead_ms: float, plain_ms: float) -> Policy:
     return propose, observe
 
 
-def replay(prompt: list[int], output: list[int], policy: Policy, costs: Costs) -> float:
-    """Milliseconds to produce `output` after `prompt` with `policy`."""
+def replay(
+    prompt: list[int], output: list[int], policy: Policy, costs: Costs, n_min: int = NGRAM_MIN, n_max: int = NGRAM_MAX
+) -> float:
+    """Milliseconds to produce `output` after `prompt` with `policy`, looking up suffixes of n_min..n_max tokens."""
     propose, observe = policy
-    tokens, index = list(prompt), NgramIndex(NGRAM_MIN, NGRAM_MAX)
+    tokens, index = list(prompt), NgramIndex(n_min, n_max)
     i, total = 0, 0.0
     while i < len(output):
         index.extend(tokens)
@@ -163,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         help="measured verify ms of steps of 1,2,... tokens, comma-separated (replaces the line; the last two points "
         "extend it), e.g. 12,24,30,36,44",
     )
+    parser.add_argument("--ngram-min", type=int, default=NGRAM_MIN, help="shortest suffix match that drafts")
+    parser.add_argument("--ngram-max", type=int, default=NGRAM_MAX, help="longest suffix looked up")
+    parser.add_argument("--workloads", default="", help="comma-separated subset of workload names")
     args = parser.parse_args(argv)
     costs = Costs(args.fixed_ms, args.per_token_ms, args.overhead_ms, args.plain_ms)
     if args.curve:
@@ -173,10 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     policies[f"by position <={top}"] = lambda: by_position(top, args.overhead_ms, args.plain_ms)
     policies[f"by match <={top}"] = lambda: by_match(top, args.overhead_ms, args.plain_ms)
     speedups: dict[str, dict[str, list[float]]] = {}
+    wanted = {w for w in args.workloads.split(",") if w}
     for workload, prompt, output in load_texts(args.results):
+        if wanted and workload not in wanted:
+            continue
         plain = len(output) * costs.round_ms(0)
         for name, make in policies.items():
-            speedups.setdefault(workload, {}).setdefault(name, []).append(plain / replay(prompt, output, make(), costs))
+            ms = replay(prompt, output, make(), costs, args.ngram_min, args.ngram_max)
+            speedups.setdefault(workload, {}).setdefault(name, []).append(plain / ms)
     names = list(policies)
     print("speedup over target-only (and / best fixed k), replayed:\n")
     print("| workload | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 1))

@@ -55,6 +55,21 @@ def test_longest_suffix_wins_over_more_recent_shorter_one() -> None:
     assert lookup(tokens, 3, n_max=2) == [60, 1, 2]
 
 
+def test_default_longest_suffix_tells_apart_repeats_of_a_looping_text() -> None:
+    """A text that loops over paragraphs of three identical 13-token sentences: 16 tokens of context cannot tell the
+    first sentence boundary of a paragraph from the second (their latest occurrence ends the paragraph), 32 can."""
+    sentence = list(range(1, 14))
+    paragraph = sentence * 3 + [99]
+    text = paragraph * 3 + sentence + sentence[:5]
+    truth = (paragraph * 5)[len(text) : len(text) + 30]
+    index = NgramIndex(2, 32)  # the default n_max
+    index.extend(text)
+    assert index.lookup(text, 30) == truth
+    short = NgramIndex(2, 16)
+    short.extend(text)
+    assert short.lookup(text, 30) != truth
+
+
 def test_latest_earlier_occurrence_wins() -> None:
     assert lookup([5, 6, 7, 5, 6, 8, 5, 6], 3) == [8, 5, 6]
 
