@@ -276,17 +276,29 @@ def test_local_ngram_adaptive_is_identical(exact_local_gateway: Service) -> None
     assert spec["timings"]["verify_steps"] < plain["timings"]["verify_steps"]
 
 
-def test_long_match_minimum_drafts_less_and_keeps_the_text(exact_local_gateway: Service) -> None:
+def test_long_match_minimum_drafts_less_and_keeps_the_text(
+    exact_local_gateway: Service, exact_target: Service, service_tmp: Path
+) -> None:
     """`speculative.ngram_min: 12` (llama-server's ngram-simple minimum): rewriting a function still drafts its
-    verbatim stretches, in fewer rounds than behind 2-token matches, and the text stays the target's."""
+    verbatim stretches, in fewer rounds than behind 2-token matches, and the text stays the target's. A minimum
+    longer than the suffixes the gateway looks up (32 by default, or its --local-ngram-max) is a 400."""
     plain = _chat(exact_local_gateway, PROMPTS[9], n_max=0)
     short = _chat(exact_local_gateway, PROMPTS[9], n_max=32)
     long = _chat(exact_local_gateway, PROMPTS[9], n_max=32, **{"speculative.ngram_min": 12})
     assert long["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
     assert long["timings"]["draft_n"] > 0 and 0 < long["timings"]["rounds"] < short["timings"]["rounds"]
-    too_long = {"messages": [{"role": "user", "content": "hi"}], "speculative.ngram_min": 17}
+    too_long = {"messages": [{"role": "user", "content": "hi"}], "speculative.ngram_min": 33}
     response = httpx.post(f"{exact_local_gateway.address}/v1/chat/completions", json=too_long, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == "speculative.ngram_min"
+    shorter = start_gateway(exact_target.address, None, service_tmp, "--local-ngram", "--local-ngram-max", "16")
+    try:
+        too_long["speculative.ngram_min"] = 17
+        response = httpx.post(f"{shorter.address}/v1/chat/completions", json=too_long, timeout=60)
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "speculative.ngram_min"
+        assert "exceeds the longest suffix looked up (16)" in error["message"]
+    finally:
+        shorter.stop()
 
 
 def test_seeded_sampled_requests_keep_a_fixed_k_unless_they_ask(exact_local_gateway: Service) -> None:
