@@ -215,15 +215,7 @@ def _temperature_softmax(x: np.ndarray, top: float, temperature: float) -> np.nd
 def _temperature_weights(x: np.ndarray, top: float, temperature: float) -> np.ndarray:
     """exp((x - top) / T) in float32: `_temperature_softmax` before normalising (the top token weighs 1)."""
     # z <= 0 with the most likely token at 0, so exp cannot overflow; float64 logits are shifted before the cast.
-    z = np.subtract(x, np.float32(top)) if x.dtype == np.float32 else np.subtract(x, top)
-    return _temperature_weights_of_shifted(z, temperature)
-
-
-def _temperature_weights_of_shifted(z: np.ndarray, temperature: float) -> np.ndarray:
-    """exp(z / T) in float32 for z = x - top, computed in place where z is float32 already: the one rounding path
-    that every sampler of plain temperature uses, so that they all see the same float32 weights."""
-    if z.dtype != np.float32:
-        z = z.astype(np.float32)
+    z = np.subtract(x, np.float32(top)) if x.dtype == np.float32 else np.subtract(x, top).astype(np.float32)
     z *= np.float32(1.0 / temperature)
     np.exp(z, out=z)
     return z
@@ -340,8 +332,7 @@ def _near_inverse_cdf(x: np.ndarray, top: float, temperature: float, u: float) -
     if 8 * n_near > x.size:
         return None
     near = np.flatnonzero(close)
-    weights = np.subtract(x[near], np.float32(top)) if x.dtype == np.float32 else np.subtract(x[near], top)
-    cum = np.cumsum(_temperature_weights_of_shifted(weights, temperature), dtype=np.float64)
+    cum = np.cumsum(_temperature_weights(x[near], top, temperature), dtype=np.float64)
     far_weight = math.exp(-_FAR_EXPONENT) * (1.0 + _BOUND_SLACK)
     s_near = float(cum[-1])
     rank = int(np.searchsorted(cum, u * (s_near + (x.size - n_near) * far_weight), side="right"))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from services.draft.drafters import Draft, NgramDrafter
-from tandem.ngram import NgramIndex, RepeatWatch, RepeatWatches
+from tandem.ngram import NGRAM_MAX, NGRAM_MIN, NgramIndex, RepeatWatch, RepeatWatches
 from tandem.sampling import SamplingParams
 from tandem.sessions import Session
 
@@ -62,7 +62,7 @@ def test_default_longest_suffix_tells_apart_repeats_of_a_looping_text() -> None:
     paragraph = sentence * 3 + [99]
     text = paragraph * 3 + sentence + sentence[:5]
     truth = (paragraph * 5)[len(text) : len(text) + 30]
-    index = NgramIndex(2, 32)  # the default n_max
+    index = NgramIndex(NGRAM_MIN, NGRAM_MAX)
     index.extend(text)
     assert index.lookup(text, 30) == truth
     short = NgramIndex(2, 16)
