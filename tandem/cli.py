@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 
 from pydantic_settings import BaseSettings, CliApp
 
+from tandem.config import limit_omp_spin
+
 S = TypeVar("S", bound=BaseSettings)
 
 
@@ -33,6 +35,7 @@ def service_main(settings_type: type, tracing_name: str, run: Callable[[Any], Aw
     """
     settings = parse_settings(settings_type, argv)
     settings.pin_device()
+    limit_omp_spin(settings)
     import tandem.engine  # noqa: F401
     from tandem.telemetry import setup_tracing
 

@@ -33,11 +33,12 @@ def main(argv: list[str] | None = None, configure_target: Callable[[Any], None] 
 def colocated_models(settings: GatewaySettings, configure_target: Callable[[Any], None] | None):
     """The models to load into this process, pinned to their devices, with llama_cpp imported before grpc and numpy
     (the order tandem.cli.service_main keeps for the services). Nothing imported so far pulls in either."""
-    from tandem.config import DraftSettings, TargetSettings, pin_colocated
+    from tandem.config import DraftSettings, TargetSettings, limit_omp_spin, pin_colocated
 
     target = TargetSettings()
     draft = None if settings.local_ngram or not settings.draft else DraftSettings()
     pin_colocated(*(m for m in (target, draft) if m is not None))
+    limit_omp_spin(*(m for m in (target, draft) if m is not None))
     import tandem.engine  # noqa: F401
     from services.gateway.app import Colocated
 
