@@ -310,7 +310,14 @@ def machine() -> dict:
     return info
 
 
-def request(client: httpx.Client, config: Config, workload: Workload, prompt: str, max_tokens: int) -> Record:
+def request_body(config: Config, workload: Workload, prompt: str, max_tokens: int, rep: int = 0) -> dict:
+    """The chat request of one (configuration, workload prompt, repetition).
+
+    A sampled workload's seed moves on with the repetition (`workload.seed + rep`), the same for every configuration
+    in it: a repetition then draws another text instead of the same one again. How much a sampled text repeats
+    decides what a lookup can copy, so with one seed the run compared configurations on as many texts as it had
+    prompts (full10: the long-match rows drew 49- and 77-token answers on sampled edit, with nothing to copy, in
+    both repetitions)."""
     body: dict = {
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
@@ -318,7 +325,7 @@ def request(client: httpx.Client, config: Config, workload: Workload, prompt: st
         "cache_prompt": False,  # llama-server: no prompt cache across repetitions (tandem's target runs without)
     }
     if workload.seed is not None:
-        body["seed"] = workload.seed
+        body["seed"] = workload.seed + rep
     if workload.temperature > 0:
         # The same distribution on both sides: softmax(logits / T) over the whole vocabulary, tandem's default (top_p
         # 1 and no top-k, as OpenAI's API). Left to its defaults, llama-server would truncate it first (top_k 40,
@@ -335,6 +342,13 @@ def request(client: httpx.Client, config: Config, workload: Workload, prompt: st
             body["speculative.adaptive"] = config.adaptive
         if config.ngram_min is not None:
             body["speculative.ngram_min"] = config.ngram_min
+    return body
+
+
+def request(
+    client: httpx.Client, config: Config, workload: Workload, prompt: str, max_tokens: int, rep: int = 0
+) -> Record:
+    body = request_body(config, workload, prompt, max_tokens, rep)
     t0 = time.perf_counter()
     response = client.post(f"{config.url}/v1/chat/completions", json=body, timeout=600)
     response.raise_for_status()
@@ -371,7 +385,7 @@ def run(
                     shift = (rep + i) % len(configs)
                     for config in configs[shift:] + configs[:shift]:  # rotate the order: noise hits all alike
                         bar.set_postfix_str(f"{workload.name} | {config.name}")
-                        record = request(client, config, workload, prompt, max_tokens)
+                        record = request(client, config, workload, prompt, max_tokens, rep)
                         record.prompt, record.rep = i, rep
                         records.append(record)
                         bar.update()

@@ -68,3 +68,16 @@ def test_only_keeps_matching_configurations_and_their_baselines() -> None:
     assert [c.name for c in select_configs(configs, "^llama-server$")] == ["llama-server"]
     with pytest.raises(SystemExit, match="matches no configuration"):
         select_configs(configs, "nothing")
+
+
+def test_sampled_repetitions_draw_new_texts_with_the_same_seed_on_every_side() -> None:
+    """A sampled workload's seed moves on with the repetition, alike for tandem and llama-server; a greedy workload
+    sends none."""
+    from bench.harness import request_body
+    from bench.workloads import Workload
+
+    sampled, greedy = Workload("chat-t0.7", ("hi",), 0.7, 1234), Workload("chat", ("hi",))
+    tandem, peer = CONFIGS[0], Config("llama-server", "llama-server", "", None, "llama-server")
+    seeds = [[request_body(c, sampled, "hi", 16, rep)["seed"] for rep in range(3)] for c in (tandem, peer)]
+    assert seeds == [[1234, 1235, 1236]] * 2
+    assert "seed" not in request_body(tandem, greedy, "hi", 16, 2)
