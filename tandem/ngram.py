@@ -7,7 +7,6 @@ per round, no model) and right when the output repeats the input, as code edits,
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -144,31 +143,25 @@ def ngram_branches(
     next_guess: int | None,
     max_tokens: int,
     scaled: bool = True,
-) -> tuple[list[tuple[int, int, list[int]]], bool]:
+) -> list[tuple[int, int, list[int]]]:
     """What `ngram_draft` would propose after each way a verification of `drafts` can end, found before it ends.
 
     A round that verifies `drafts` after `tokens` (indexed already) ends with j accepted drafts and the target's own
-    token t. For every j and every t that has followed the last token somewhere in tokens + drafts[:j] (a draft needs
-    a suffix match of two tokens at least, unless unscaled with one-token matches), this returns (j, t, the draft
-    after tokens + drafts[:j] + [t]) where that draft is not empty, at most MAX_BRANCHES lookups in all. Skipped:
-    t = drafts[j] (then the draft was accepted, j is larger), and at j = len(drafts) `next_guess`, the proposal's own
-    continuation, which the caller keeps anyway.
+    token t. For every j and every t that has followed the last token so far (a suffix match needs that 2-gram), this
+    returns (j, t, the draft after tokens + drafts[:j] + [t]) where that draft is not empty, at most MAX_BRANCHES
+    lookups in all. Skipped: t = drafts[j] (then the draft was accepted, j is larger), and at j = len(drafts)
+    `next_guess`, the proposal's own continuation, which the caller keeps anyway.
 
     Each branch is exactly what the lookup gives once the outcome is committed (`NgramIndex.match` compares the
-    n-grams the index does not hold yet directly). Returns (branches, complete): complete when every outcome not
-    returned drafts nothing there (the budget sufficed, and drafts need two-token matches), so that a caller can
-    skip asking.
+    n-grams the index does not hold yet directly). With fewer than MAX_BRANCHES lookups, the outcomes not returned
+    draft nothing; past the budget the caller cannot tell, and asks as usual.
     """
     out: list[tuple[int, int, list[int]]] = []
     budget = MAX_BRANCHES
-    complete = scaled or index.n_min >= 2
-    since_indexed = list(tokens[max(index.indexed - 1, 0) :])
+    since_indexed = tokens[max(index.indexed - 1, 0) :]
     for j in range(len(drafts) + 1):
-        head = list(drafts[:j])
-        last = head[-1] if j else tokens[-1]
-        candidates = dict(index.successors.get(last, {}))
-        tail = since_indexed + head  # the pairs in it are not indexed yet
-        candidates.update((b, None) for a, b in itertools.pairwise(tail) if a == last)
+        head = drafts[:j]
+        candidates = index.successors.get(head[-1] if j else tokens[-1], ())
         if not candidates:
             continue
         skip = drafts[j] if j < len(drafts) else next_guess
@@ -182,7 +175,7 @@ def ngram_branches(
             if t == skip:
                 continue
             if budget <= 0:
-                return out, False
+                return out
             budget -= 1
             if t in unindexed:  # rare: the whole match, on a copy of the sequence
                 position, length = index.match([*tokens, *head, t])
@@ -194,7 +187,7 @@ def ngram_branches(
                 out.append(
                     (j, t, list(tokens[position:end]) if end <= len(tokens) else [*tokens, *head, t][position:end])
                 )
-    return out, complete
+    return out
 
 
 def draft_size(position: int, match_len: int, available: int, max_tokens: int, scaled: bool = True) -> int:

@@ -453,10 +453,10 @@ def test_ngram_service_branch_rounds_keep_the_target_only_text(
     exact_ngram_service_gateways: tuple[Service, Service],
 ) -> None:
     """Rounds whose draft the n-gram service sent ahead with the round before (Proposal.branches, no Propose of their
-    own) verify like any other: on the exact target the text and logprobs equal target-only decoding's; such rounds
-    do happen on copy-heavy prompts, as do rounds whose Propose the complete branches made unnecessary."""
+    own) verify like any other: on the exact target the text and logprobs equal target-only decoding's, and such
+    rounds do happen on copy-heavy prompts."""
     gateway, _ = exact_ngram_service_gateways
-    branch_rounds = skipped = 0
+    branch_rounds = 0
     for prompt in (PROMPTS[9], PROMPTS[4]):  # rewrite a function, reformat data: output repeats the prompt
         plain = _chat(gateway, prompt, n_max=0)
         spec = _chat(gateway, prompt, n_max=8)
@@ -465,9 +465,7 @@ def test_ngram_service_branch_rounds_keep_the_target_only_text(
         timings = spec["timings"]
         assert timings["propose_calls"] + timings["lookahead_rounds"] + timings["branch_rounds"] >= timings["rounds"]
         branch_rounds += timings["branch_rounds"]
-        skipped += timings["proposes_skipped"]
-    print(f"\nn-gram service: {branch_rounds} rounds drafted from branches, {skipped} Propose calls skipped")
-    assert branch_rounds > 0 and skipped > 0
+    assert branch_rounds > 0
 
 
 @pytest.fixture(scope="module")

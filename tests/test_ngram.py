@@ -347,16 +347,15 @@ def _fresh_draft(tokens: Sequence[int], max_tokens: int) -> list[int]:
 def test_branches_are_the_lookups_after_each_outcome(seed: int) -> None:
     """On random repetitive sequences: every (j, t) returned is an outcome the round can have (t is not the draft at
     j, nor the guess after all of them) whose draft equals the lookup after committing tokens + drafts[:j] + [t]; and
-    every other outcome drafts nothing there, as `complete` says (the random texts stay under the lookup budget)."""
+    every other outcome drafts nothing there (the random texts stay under the lookup budget)."""
     rng = random.Random(seed)
     tokens = [rng.randrange(6) for _ in range(60)]
     index = index_of(tokens, 2, NGRAM_MAX)
     proposal = ngram_draft(index, tokens, 9)
     k = min(len(proposal), 4)
     drafts, guess = proposal[:k], (proposal[k] if len(proposal) > k else None)
-    found, complete = ngram_branches(index, tokens, drafts, guess, 4)
-    got = {(j, t): d for j, t, d in found}
-    assert complete and len(got) < MAX_BRANCHES
+    got = {(j, t): d for j, t, d in ngram_branches(index, tokens, drafts, guess, 4)}
+    assert len(got) < MAX_BRANCHES
     for j in range(k + 1):
         for t in range(6):
             if t == (drafts[j] if j < k else guess):
@@ -384,8 +383,8 @@ def test_branches_stop_at_the_lookup_budget() -> None:
     for t in range(1, 3 * MAX_BRANCHES):
         tokens += [0, t, t + 1000]
     index = index_of(tokens, 2, NGRAM_MAX)
-    branches, complete = ngram_branches(index, [*tokens, 0], [], None, 4)
-    assert 0 < len(branches) <= MAX_BRANCHES and not complete
+    branches = ngram_branches(index, [*tokens, 0], [], None, 4)
+    assert 0 < len(branches) <= MAX_BRANCHES
 
 
 def test_drafter_branches_by_hand() -> None:
@@ -396,22 +395,8 @@ def test_drafter_branches_by_hand() -> None:
     drafter.open([session])
     proposal = drafter.propose(session, 4).tokens
     assert proposal == [3, 9, 9, 1]
-    found, complete = drafter.branches(session, proposal, 2, 2)
-    branches = {(j, t): d for j, t, d in found}
-    assert complete  # unscaled, but n_min 2: every draft needs a two-token match
+    branches = {(j, t): d for j, t, d in drafter.branches(session, proposal, 2, 2)}
     # j=0: only 3 ever followed 2, and 3 is the first draft. j=1 (3 accepted): 4 or 9 followed 3; 9 is the second
     # draft, 4 continues "2 3 4" with 5 1 (at most k=2 tokens). j=2: 9 or 1 followed 9; 9 is the guess, proposal[2],
     # and "9 1" was followed by 2 3.
     assert branches == {(1, 4): [5, 1], (2, 1): [2, 3]}
-
-
-def test_branches_find_matches_through_pairs_not_indexed_yet() -> None:
-    """A token that followed the last one only inside the drafts (not indexed yet) is a candidate too: the outcome's
-    lookup matches that pair."""
-    tokens = [5, 6, 7, 8, 1]
-    index = index_of(tokens, 2, 8)
-    drafts = [2, 3, 2, 4]  # not this index's own proposal: "2 3" occurs only here
-    found, complete = ngram_branches(index, tokens, drafts, None, 4)
-    assert complete
-    got = {(j, t): d for j, t, d in found}
-    assert got[(3, 3)] == _fresh_draft([*tokens, 2, 3, 2, 3], 4) == [2]  # "2 3" matched: one token (m - 1)

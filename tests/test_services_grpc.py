@@ -94,7 +94,7 @@ def test_ngram_draft_proposes_ahead_for_each_outcome_of_the_verification(
         stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=tokens, sampling=GREEDY)]))
         item = pb.ProposeItem(session_id=sid, position=len(tokens), max_tokens=9, branches=4)
         proposal = stub.Propose(pb.ProposeRequest(items=[item])).proposals[0]
-        assert proposal.token_ids and proposal.branches and proposal.branches_complete
+        assert proposal.token_ids and proposal.branches
         drafts = list(proposal.token_ids[:4])
         for branch in proposal.branches:
             assert branch.accepted <= len(drafts) and 0 < len(branch.token_ids) <= 9

@@ -32,7 +32,6 @@ class Draft:
     dists: list[SparseDist] | None  # None: deterministic proposal
     #: (accepted j, target token t, proposal after that outcome): see ProposeItem.branches
     branches: tuple[tuple[int, int, list[int]], ...] = ()
-    branches_complete: bool = False  # every outcome not in `branches` proposes nothing
 
 
 class Drafter(ABC):
@@ -64,11 +63,10 @@ class Drafter(ABC):
 
     def branches(
         self, session: Session, proposal: Sequence[int], k: int, max_tokens: int
-    ) -> tuple[tuple[tuple[int, int, list[int]], ...], bool]:
-        """Proposals of up to max_tokens for after a verification of proposal[:k] (ProposeItem.branches), and
-        whether the outcomes not listed propose nothing; none unless the drafter can find them without drafting
-        each (a model would pay forward passes per outcome)."""
-        return (), False
+    ) -> tuple[tuple[int, int, list[int]], ...]:
+        """Proposals of up to max_tokens for after a verification of proposal[:k] (ProposeItem.branches); none
+        unless the drafter can find them without drafting each (a model would pay forward passes per outcome)."""
+        return ()
 
     def appended(self, session: Session, start: int) -> None:  # noqa: B027 - optional hook
         """session.tokens[start:] were just committed."""
@@ -111,13 +109,12 @@ class NgramDrafter(Drafter):
 
     def branches(
         self, session: Session, proposal: Sequence[int], k: int, max_tokens: int
-    ) -> tuple[tuple[tuple[int, int, list[int]], ...], bool]:
+    ) -> tuple[tuple[int, int, list[int]], ...]:
         """Lookups after each outcome of verifying proposal[:k] (tandem.ngram.ngram_branches), each as long as a
         Propose asking for max_tokens would get; proposal[k], the lookup's own continuation, is the caller's guess
         for the all-accepted outcome and gets no branch."""
         drafts, guess = list(proposal[:k]), (proposal[k] if len(proposal) > k else None)
-        found, complete = ngram_branches(session.extra, session.tokens, drafts, guess, max_tokens, self.scaled)
-        return tuple(found), complete
+        return tuple(ngram_branches(session.extra, session.tokens, drafts, guess, max_tokens, self.scaled))
 
 
 class ModelDrafter(Drafter):

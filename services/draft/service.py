@@ -114,8 +114,8 @@ class DraftService:
         drafts = self.drafter.propose_many(asks)
         for (g, (session, spec, key)), (_, room), draft in zip(work, asks, drafts, strict=True):
             if spec.branches:
-                branches, complete = self.drafter.branches(session, draft.tokens, spec.branches, room)
-                draft = dataclasses.replace(draft, branches=branches, branches_complete=complete)
+                branches = self.drafter.branches(session, draft.tokens, spec.branches, room)
+                draft = dataclasses.replace(draft, branches=branches)
             result = ProposeResult(spec.session_id, session.position, draft)
             session.last_call = (key, result)
             outcomes[g][spec.session_id] = result

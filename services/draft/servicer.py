@@ -111,7 +111,6 @@ class DraftServicer(pb_grpc.DraftServicer):
                     token_ids=r.draft.tokens,
                     distributions=[dist_to_pb(d) for d in r.draft.dists or ()],
                     branches=[pb.Branch(accepted=j, token=t, token_ids=ids) for j, t, ids in r.draft.branches],
-                    branches_complete=r.draft.branches_complete,
                 )
                 for r in results
             ],

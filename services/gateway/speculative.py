@@ -74,7 +74,6 @@ class GenerationStats:
     verify_steps: int = 0  # target steps those calls ran (a target-only call may run several: plain_steps)
     lookahead_rounds: int = 0  # rounds whose draft came from the n-gram lookahead, with no Propose call
     branch_rounds: int = 0  # rounds whose draft an n-gram service sent ahead with the round before (Proposal.branches)
-    proposes_skipped: int = 0  # rounds its complete branches showed would draft nothing: no Propose sent
     propose_calls: int = 0  # Propose calls to the draft service (drafts-ahead included)
     overlapped_rounds: int = 0  # rounds whose draft was drafted during the previous verification
     pipelined_rounds: int = 0  # rounds without a draft sent before the previous one's answer (see _lookup_stretch)
@@ -134,7 +133,6 @@ class GenerationStats:
             "verify_steps": self.verify_steps,
             "lookahead_rounds": self.lookahead_rounds,
             "branch_rounds": self.branch_rounds,
-            "proposes_skipped": self.proposes_skipped,
             "propose_calls": self.propose_calls,
             "overlapped_rounds": self.overlapped_rounds,
             "pipelined_rounds": self.pipelined_rounds,
@@ -247,9 +245,7 @@ class Generation:
         # An n-gram draft service's proposals for after each outcome of the round being verified (ProposeItem.branches):
         # (accepted, target token) -> the next round's draft, so that round needs no Propose of its own.
         self._branches: dict[tuple[int, int], list[int]] = {}
-        self._branches_complete = False  # and every outcome not among them drafts nothing
         self._from_branch = False  # the lookahead holds a branch's draft
-        self._known_empty = False  # the service's complete branches say the next round's Propose would find nothing
         self._t1 = self._last = 0
         self._plain_done: int | None = None  # when the last pipelined plain call answered (None: none queued behind)
         self.costs = costs if costs is not None else CostModel()
@@ -621,7 +617,7 @@ class Generation:
         round's follow-up call (`follow`, see `_follow_up`), already on its way: it is then the first call.
         """
         self._lookahead = []  # a continuation of the last proposal, which these tokens go past
-        self._branches, self._branches_complete, self._from_branch, self._known_empty = {}, False, False, False
+        self._branches, self._from_branch = {}, False
         # (call, tokens it asks for, its stop_at_repeat, its round span)
         inflight: deque[tuple[asyncio.Future, int, int, trace.Span]] = deque()
         self._plain_done = None
@@ -860,10 +856,6 @@ class Generation:
         if not self._use_draft or k <= 0:
             self._ahead = None  # a plain round moves the sequence on: a draft-ahead no longer fits (state stays valid)
             return [], [], 0, 0
-        if self._known_empty:  # the n-gram service's complete branches answered this round already: no draft
-            self._known_empty = False
-            self.stats.proposes_skipped += 1
-            return [], [], 0, 0
         if self._local is not None:
             d0 = time.perf_counter_ns()
             drafts = self._local.propose(self._unsent, k)  # microseconds: no RPC, no draft service
@@ -908,7 +900,6 @@ class Generation:
             dists = list(proposal.distributions)
             compute = reply.timing.forward_ns
             self._branches = {(b.accepted, b.token): list(b.token_ids) for b in proposal.branches}
-            self._branches_complete = proposal.branches_complete
         proposed = len(drafts)
         if guessing and len(drafts) > k:
             self._guess = drafts[k]
@@ -978,14 +969,12 @@ class Generation:
         """The lookahead stays valid only if every draft was accepted and the target's own token is its next one;
         otherwise the service's branch for the round's outcome, if it sent one, becomes the next round's draft."""
         branches, self._branches = self._branches, {}
-        complete, self._branches_complete = self._branches_complete, False
-        self._from_branch = self._known_empty = False
+        self._from_branch = False
         if self._lookahead and result.num_accepted == len(drafts) and result.tokens[-1].id == self._lookahead[0]:
             self._lookahead = self._lookahead[1:]
             return
         self._lookahead = branches.get((result.num_accepted, result.tokens[-1].id), [])
         self._from_branch = bool(self._lookahead)
-        self._known_empty = complete and not self._lookahead
 
     async def _verify(
         self,
