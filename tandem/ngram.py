@@ -70,39 +70,11 @@ class NgramIndex:
             if j is None:
                 j = self.follow[n].get(key)
             if j is not None:
-                return j, self._extent(tokens, j, tokens, n)
+                m = n
+                while m < MATCH_CAP and j - m - 1 >= 0 and tokens[j - m - 1] == tokens[end - m - 1]:
+                    m += 1
+                return j, m
         return -1, 0
-
-    def match_next(self, recent: tuple[int, ...], token: int, indexed: Sequence[int]) -> tuple[int, int]:
-        """`match` for the sequence that ends with `recent` (its last MATCH_CAP tokens, or all of it) and then `token`,
-        cheaper when many tokens are tried after one sequence: each key is a suffix of `recent` plus `token`, and
-        only the window and `indexed` (the indexed tokens) are read. The caller makes sure that no n-gram missing from
-        the index can match: `token` is none of the tokens from the last indexed one on (see `ngram_branches`)."""
-        window = (*recent, token)
-        size = len(window)
-        for n in self._longest_first:
-            if n > size:
-                continue
-            j = self.follow[n].get(window[size - n :])
-            if j is not None:
-                return j, self._extent(indexed, j, window, n)
-        return -1, 0
-
-    @staticmethod
-    def _extent(tokens: Sequence[int], j: int, ending: Sequence[int], n: int) -> int:
-        """The exact length, up to MATCH_CAP, of the match between the sequence's end (`ending`: the sequence, or its
-        last tokens) and the tokens of `tokens` before position j, known to be at least n."""
-        size = len(ending)
-        room = min(MATCH_CAP, j, size - 1) - n  # further tokens that can match, before position j - n
-        if room <= 0:
-            return n
-        # One comparison of slices first (in C): a copy matched over the whole cap, the usual case in an edit.
-        if tuple(tokens[j - n - room : j - n]) == tuple(ending[size - n - room : size - n]):
-            return n + room
-        m = n
-        while tokens[j - m - 1] == ending[size - m - 1]:  # stops within `room`: the slices differ
-            m += 1
-        return m
 
     def lookup(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
         if max_tokens <= 0:
@@ -133,6 +105,32 @@ def ngram_draft_matched(
     return list(tokens[j : j + draft_size(j, m, len(tokens), max_tokens, scaled)]), m
 
 
+class _Extended(Sequence[int]):
+    """`base + tail` for the lookups of `ngram_branches`, without copying `base` (the whole sequence) per candidate."""
+
+    def __init__(self, base: Sequence[int], tail: Sequence[int]) -> None:
+        self.base, self.tail = base, tail
+        self._n = len(base)
+
+    def __len__(self) -> int:
+        return self._n + len(self.tail)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            n = self._n
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            if stop <= n:
+                return list(self.base[start:stop])
+            if start >= n:
+                return list(self.tail[start - n : stop - n])
+            return [*self.base[start:n], *self.tail[: stop - n]]
+        if i < 0:
+            i += len(self)
+        return self.base[i] if i < self._n else self.tail[i - self._n]
+
+
 MAX_BRANCHES = 64  # lookups one call of `ngram_branches` may make: bounds its cost on a token with many followers
 
 
@@ -158,35 +156,18 @@ def ngram_branches(
     """
     out: list[tuple[int, int, list[int]]] = []
     budget = MAX_BRANCHES
-    since_indexed = tokens[max(index.indexed - 1, 0) :]
     for j in range(len(drafts) + 1):
-        head = drafts[:j]
-        candidates = index.successors.get(head[-1] if j else tokens[-1], ())
-        if not candidates:
-            continue
+        last = drafts[j - 1] if j else tokens[-1]
         skip = drafts[j] if j < len(drafts) else next_guess
-        size = len(tokens) + j
-        # The last MATCH_CAP tokens of tokens + head: every key and match length reads only these and `tokens`.
-        recent = (*tokens[max(len(tokens) - MATCH_CAP + j, 0) :], *head)[-MATCH_CAP:]
-        # A token after which an n-gram the index lacks (one followed by a token past the indexed ones) could be the
-        # suffix goes through the full match; the others need only the index.
-        unindexed = {*since_indexed, *head}
-        for t in candidates:
+        for t in index.successors.get(last, ()):
             if t == skip:
                 continue
             if budget <= 0:
                 return out
             budget -= 1
-            if t in unindexed:  # rare: the whole match, on a copy of the sequence
-                position, length = index.match([*tokens, *head, t])
-            else:
-                position, length = index.match_next(recent, t, tokens)
-            n = draft_size(position, length, size + 1, max_tokens, scaled)
-            if n:
-                end = position + n
-                out.append(
-                    (j, t, list(tokens[position:end]) if end <= len(tokens) else [*tokens, *head, t][position:end])
-                )
+            draft = ngram_draft(index, _Extended(tokens, [*drafts[:j], t]), max_tokens, scaled)
+            if draft:
+                out.append((j, t, draft))
     return out
 
 
