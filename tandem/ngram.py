@@ -39,8 +39,6 @@ class NgramIndex:
         self.follow: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in lengths}
         self._longest_first = sorted(self.follow, reverse=True)
         self.indexed = 0  # tokens[:indexed] are in the index
-        #: Every token that followed each token (insertion-ordered): the candidates of `branches`.
-        self.successors: dict[int, dict[int, None]] = {}
 
     def extend(self, tokens: Sequence[int]) -> None:
         # The n-gram ending just before position j is followed by tokens[j].
@@ -48,27 +46,20 @@ class NgramIndex:
             for n, table in self.follow.items():
                 if j >= n:
                     table[tuple(tokens[j - n : j])] = j
-            self.successors.setdefault(tokens[j - 1], {})[tokens[j]] = None
         self.indexed = len(tokens)
 
     def match(self, tokens: Sequence[int]) -> tuple[int, int]:
         """(position that follows the best earlier occurrence of the sequence's suffix, matched length), or (-1, 0).
 
         The best occurrence is the latest one of the longest indexed suffix; its matched length is then counted
-        exactly, up to MATCH_CAP tokens. `tokens` may run past what is indexed (`ngram_branches` looks up outcomes
-        before they are committed): the n-grams followed by a token not indexed yet are compared directly, so the
-        answer is the one the index would give after extending it to `tokens`.
+        exactly, up to MATCH_CAP tokens.
         """
         end = len(tokens)
-        # Positions not indexed yet whose n-gram could be a suffix (it ends with the last token), latest first.
-        fresh = [p for p in range(end - 1, max(self.indexed, 1) - 1, -1) if tokens[p - 1] == tokens[end - 1]]
         for n in self._longest_first:
             if n > end:
                 continue
             key = tuple(tokens[end - n :])
-            j = next((p for p in fresh if p >= n and tuple(tokens[p - n : p]) == key), None)
-            if j is None:
-                j = self.follow[n].get(key)
+            j = self.follow[n].get(key)
             if j is not None:
                 m = n
                 while m < MATCH_CAP and j - m - 1 >= 0 and tokens[j - m - 1] == tokens[end - m - 1]:
@@ -103,72 +94,6 @@ def ngram_draft_matched(
     """
     j, m = index.match(tokens)
     return list(tokens[j : j + draft_size(j, m, len(tokens), max_tokens, scaled)]), m
-
-
-class _Extended(Sequence[int]):
-    """`base + tail` for the lookups of `ngram_branches`, without copying `base` (the whole sequence) per candidate."""
-
-    def __init__(self, base: Sequence[int], tail: Sequence[int]) -> None:
-        self.base, self.tail = base, tail
-        self._n = len(base)
-
-    def __len__(self) -> int:
-        return self._n + len(self.tail)
-
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            start, stop, step = i.indices(len(self))
-            n = self._n
-            if step != 1:
-                return [self[j] for j in range(start, stop, step)]
-            if stop <= n:
-                return list(self.base[start:stop])
-            if start >= n:
-                return list(self.tail[start - n : stop - n])
-            return [*self.base[start:n], *self.tail[: stop - n]]
-        if i < 0:
-            i += len(self)
-        return self.base[i] if i < self._n else self.tail[i - self._n]
-
-
-MAX_BRANCHES = 64  # lookups one call of `ngram_branches` may make: bounds its cost on a token with many followers
-
-
-def ngram_branches(
-    index: NgramIndex,
-    tokens: Sequence[int],
-    drafts: Sequence[int],
-    next_guess: int | None,
-    max_tokens: int,
-    scaled: bool = True,
-) -> list[tuple[int, int, list[int]]]:
-    """What `ngram_draft` would propose after each way a verification of `drafts` can end, found before it ends.
-
-    A round that verifies `drafts` after `tokens` (indexed already) ends with j accepted drafts and the target's own
-    token t. For every j and every t that has followed the last token so far (a suffix match needs that 2-gram), this
-    returns (j, t, the draft after tokens + drafts[:j] + [t]) where that draft is not empty, at most MAX_BRANCHES
-    lookups in all. Skipped: t = drafts[j] (then the draft was accepted, j is larger), and at j = len(drafts)
-    `next_guess`, the proposal's own continuation, which the caller keeps anyway.
-
-    Each branch is exactly what the lookup gives once the outcome is committed (`NgramIndex.match` compares the
-    n-grams the index does not hold yet directly). With fewer than MAX_BRANCHES lookups, the outcomes not returned
-    draft nothing; past the budget the caller cannot tell, and asks as usual.
-    """
-    out: list[tuple[int, int, list[int]]] = []
-    budget = MAX_BRANCHES
-    for j in range(len(drafts) + 1):
-        last = drafts[j - 1] if j else tokens[-1]
-        skip = drafts[j] if j < len(drafts) else next_guess
-        for t in index.successors.get(last, ()):
-            if t == skip:
-                continue
-            if budget <= 0:
-                return out
-            budget -= 1
-            draft = ngram_draft(index, _Extended(tokens, [*drafts[:j], t]), max_tokens, scaled)
-            if draft:
-                out.append((j, t, draft))
-    return out
 
 
 def draft_size(position: int, match_len: int, available: int, max_tokens: int, scaled: bool = True) -> int:

@@ -449,25 +449,6 @@ def test_ngram_service_stretches_skip_empty_proposals_and_change_nothing(
     assert pipelined > 0  # some stretch went on past its first call
 
 
-def test_ngram_service_branch_rounds_keep_the_target_only_text(
-    exact_ngram_service_gateways: tuple[Service, Service],
-) -> None:
-    """Rounds whose draft the n-gram service sent ahead with the round before (Proposal.branches, no Propose of their
-    own) verify like any other: on the exact target the text and logprobs equal target-only decoding's, and such
-    rounds do happen on copy-heavy prompts."""
-    gateway, _ = exact_ngram_service_gateways
-    branch_rounds = 0
-    for prompt in (PROMPTS[9], PROMPTS[4]):  # rewrite a function, reformat data: output repeats the prompt
-        plain = _chat(gateway, prompt, n_max=0)
-        spec = _chat(gateway, prompt, n_max=8)
-        assert spec["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"], prompt
-        assert [t["logprob"] for t in _tokens(spec)] == [t["logprob"] for t in _tokens(plain)], prompt
-        timings = spec["timings"]
-        assert timings["propose_calls"] + timings["lookahead_rounds"] + timings["branch_rounds"] >= timings["rounds"]
-        branch_rounds += timings["branch_rounds"]
-    assert branch_rounds > 0
-
-
 @pytest.fixture(scope="module")
 def exact_one_token_gateway(exact_target: Service, service_tmp: Path) -> Iterator[Service]:
     """Target-only calls of one token each (`--plain-burst-ms 0`): the reference for multi-token calls."""

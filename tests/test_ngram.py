@@ -13,16 +13,7 @@ import numpy as np
 import pytest
 
 from services.draft.drafters import Draft, NgramDrafter
-from tandem.ngram import (
-    MAX_BRANCHES,
-    NGRAM_MAX,
-    NGRAM_MIN,
-    NgramIndex,
-    RepeatWatch,
-    RepeatWatches,
-    ngram_branches,
-    ngram_draft,
-)
+from tandem.ngram import NGRAM_MAX, NGRAM_MIN, NgramIndex, RepeatWatch, RepeatWatches
 from tandem.sampling import SamplingParams
 from tandem.sessions import Session
 
@@ -333,70 +324,3 @@ def test_ngram_drafter_proposes_exactly_behind_the_repeat_it_declares(
         assert proposed == watch.ends_with_repeat(session.tokens), end
         outcomes.add(proposed)
     assert outcomes == {True, False}
-
-
-# --- branches: proposals for after each outcome of a verification ----------------------------------------------
-
-
-def _fresh_draft(tokens: Sequence[int], max_tokens: int) -> list[int]:
-    """What the drafter proposes after `tokens` once they are all committed (indexed)."""
-    return ngram_draft(index_of(tokens, 2, NGRAM_MAX), tokens, max_tokens)
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_branches_are_the_lookups_after_each_outcome(seed: int) -> None:
-    """On random repetitive sequences: every (j, t) returned is an outcome the round can have (t is not the draft at
-    j, nor the guess after all of them) whose draft equals the lookup after committing tokens + drafts[:j] + [t]; and
-    every other outcome drafts nothing there (the random texts stay under the lookup budget)."""
-    rng = random.Random(seed)
-    tokens = [rng.randrange(6) for _ in range(60)]
-    index = index_of(tokens, 2, NGRAM_MAX)
-    proposal = ngram_draft(index, tokens, 9)
-    k = min(len(proposal), 4)
-    drafts, guess = proposal[:k], (proposal[k] if len(proposal) > k else None)
-    got = {(j, t): d for j, t, d in ngram_branches(index, tokens, drafts, guess, 4)}
-    assert len(got) < MAX_BRANCHES
-    for j in range(k + 1):
-        for t in range(6):
-            if t == (drafts[j] if j < k else guess):
-                assert (j, t) not in got  # not an outcome of this j
-                continue
-            extended = [*tokens, *drafts[:j], t]
-            assert got.get((j, t), []) == _fresh_draft(extended, 4), (j, t)
-    assert got, "the random text should give at least one branch"
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_match_past_the_indexed_tokens_equals_match_after_indexing_them(seed: int) -> None:
-    """NgramIndex.match on a sequence longer than what is indexed (runs of one token make the unindexed n-grams
-    matter) answers as the index extended to it does."""
-    rng = random.Random(seed)
-    tokens = [rng.choice([0, 0, 0, 1, 2]) for _ in range(rng.randrange(2, 40))]
-    cut = rng.randrange(1, len(tokens) + 1)
-    partial = index_of(tokens[:cut], 2, 8)
-    assert partial.match(tokens) == index_of(tokens, 2, 8).match(tokens)
-
-
-def test_branches_stop_at_the_lookup_budget() -> None:
-    """A last token followed by many different tokens: at most MAX_BRANCHES lookups, so at most that many branches."""
-    tokens = []
-    for t in range(1, 3 * MAX_BRANCHES):
-        tokens += [0, t, t + 1000]
-    index = index_of(tokens, 2, NGRAM_MAX)
-    branches = ngram_branches(index, [*tokens, 0], [], None, 4)
-    assert 0 < len(branches) <= MAX_BRANCHES
-
-
-def test_drafter_branches_by_hand() -> None:
-    """NgramDrafter.branches: proposal[k] is the guess for the all-accepted outcome and gets no branch."""
-    tokens = [1, 2, 3, 4, 5, 1, 2, 3, 9, 9, 1, 2]
-    drafter = NgramDrafter(2, 8, scaled=False)
-    session = make_session(tokens)
-    drafter.open([session])
-    proposal = drafter.propose(session, 4).tokens
-    assert proposal == [3, 9, 9, 1]
-    branches = {(j, t): d for j, t, d in drafter.branches(session, proposal, 2, 2)}
-    # j=0: only 3 ever followed 2, and 3 is the first draft. j=1 (3 accepted): 4 or 9 followed 3; 9 is the second
-    # draft, 4 continues "2 3 4" with 5 1 (at most k=2 tokens). j=2: 9 or 1 followed 9; 9 is the guess, proposal[2],
-    # and "9 1" was followed by 2 3.
-    assert branches == {(1, 4): [5, 1], (2, 1): [2, 3]}

@@ -79,43 +79,6 @@ def test_ngram_draft_declares_the_repeat_it_needs_and_proposes_only_behind_one(
     assert any(proposing) and not all(proposing)
 
 
-def test_ngram_draft_proposes_ahead_for_each_outcome_of_the_verification(
-    ngram_draft: Service, model_draft: Service, target_channel: grpc.Channel
-) -> None:
-    """ProposeItem.branches=k: with its proposal the n-gram service sends, for each way verifying its first k tokens
-    can end, what it would propose after that outcome; each equals the proposal of a real Propose that commits the
-    outcome. A model draft sends none (each would cost it forward passes)."""
-    tokens = _prompt(
-        pb_grpc.TargetStub(target_channel), "red green blue red green yellow red blue green red green blue red green"
-    )
-    with grpc.insecure_channel(ngram_draft.address) as channel:
-        stub = pb_grpc.DraftStub(channel)
-        sid = _sid()
-        stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=tokens, sampling=GREEDY)]))
-        item = pb.ProposeItem(session_id=sid, position=len(tokens), max_tokens=9, branches=4)
-        proposal = stub.Propose(pb.ProposeRequest(items=[item])).proposals[0]
-        assert proposal.token_ids and proposal.branches
-        drafts = list(proposal.token_ids[:4])
-        for branch in proposal.branches:
-            assert branch.accepted <= len(drafts) and 0 < len(branch.token_ids) <= 9
-            if branch.accepted < len(drafts):
-                assert branch.token != drafts[branch.accepted]
-            outcome = [*drafts[: branch.accepted], branch.token]
-            check = pb.ProposeItem(session_id=sid, position=len(tokens), append_token_ids=outcome, max_tokens=9)
-            committed = stub.Propose(pb.ProposeRequest(items=[check])).proposals[0]
-            assert list(committed.token_ids) == list(branch.token_ids), branch
-            stub.Rollback(pb.RollbackRequest(items=[pb.RollbackItem(session_id=sid, position=len(tokens))]))
-        stub.Close(pb.CloseRequest(session_ids=[sid]))
-    with grpc.insecure_channel(model_draft.address) as channel:
-        stub = pb_grpc.DraftStub(channel)
-        sid = _sid()
-        stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=tokens, sampling=GREEDY)]))
-        item = pb.ProposeItem(session_id=sid, position=len(tokens), max_tokens=3, branches=2)
-        proposal = stub.Propose(pb.ProposeRequest(items=[item])).proposals[0]
-        assert len(proposal.token_ids) == 3 and not proposal.branches
-        stub.Close(pb.CloseRequest(session_ids=[sid]))
-
-
 def test_health_and_reflection(target_channel: grpc.Channel) -> None:
     health = health_pb2_grpc.HealthStub(target_channel)
     reply = health.Check(health_pb2.HealthCheckRequest(service="tandem.v1.Target"))

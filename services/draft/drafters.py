@@ -19,7 +19,7 @@ import numpy as np
 
 from tandem import sampling
 from tandem.engine import DecodeItem, Engine
-from tandem.ngram import NgramIndex, ngram_branches, ngram_draft
+from tandem.ngram import NgramIndex, ngram_draft
 from tandem.sampling import SparseDist
 from tandem.sessions import Session
 
@@ -30,8 +30,6 @@ SINGLE_STEP_CATCH_UP = 4
 class Draft:
     tokens: list[int]
     dists: list[SparseDist] | None  # None: deterministic proposal
-    #: (accepted j, target token t, proposal after that outcome): see ProposeItem.branches
-    branches: tuple[tuple[int, int, list[int]], ...] = ()
 
 
 class Drafter(ABC):
@@ -60,13 +58,6 @@ class Drafter(ABC):
     def propose_many(self, work: Sequence[tuple[Session, int]]) -> list[Draft]:
         """Proposals for many sessions at once (one engine step); drafters with a model batch them."""
         return [self.propose(session, n) if n > 0 else Draft([], None) for session, n in work]
-
-    def branches(
-        self, session: Session, proposal: Sequence[int], k: int, max_tokens: int
-    ) -> tuple[tuple[int, int, list[int]], ...]:
-        """Proposals of up to max_tokens for after a verification of proposal[:k] (ProposeItem.branches); none
-        unless the drafter can find them without drafting each (a model would pay forward passes per outcome)."""
-        return ()
 
     def appended(self, session: Session, start: int) -> None:  # noqa: B027 - optional hook
         """session.tokens[start:] were just committed."""
@@ -106,15 +97,6 @@ class NgramDrafter(Drafter):
 
     def propose(self, session: Session, max_tokens: int) -> Draft:
         return Draft(ngram_draft(session.extra, session.tokens, max_tokens, self.scaled), None)
-
-    def branches(
-        self, session: Session, proposal: Sequence[int], k: int, max_tokens: int
-    ) -> tuple[tuple[int, int, list[int]], ...]:
-        """Lookups after each outcome of verifying proposal[:k] (tandem.ngram.ngram_branches), each as long as a
-        Propose asking for max_tokens would get; proposal[k], the lookup's own continuation, is the caller's guess
-        for the all-accepted outcome and gets no branch."""
-        drafts, guess = list(proposal[:k]), (proposal[k] if len(proposal) > k else None)
-        return tuple(ngram_branches(session.extra, session.tokens, drafts, guess, max_tokens, self.scaled))
 
 
 class ModelDrafter(Drafter):

@@ -6,7 +6,6 @@ the target committed since. A stale position is FAILED_PRECONDITION; an exact re
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,6 @@ class ProposeSpec:
     append: Sequence[int]
     max_tokens: int
     rewind: bool = False  # position may be behind the session: drop the tentative tokens past it first
-    branches: int = 0  # also propose ahead for each outcome of verifying the first `branches` proposed tokens
 
 
 @dataclass(frozen=True)
@@ -112,10 +110,7 @@ class DraftService:
             room = spec.max_tokens if self.n_ctx is None else min(spec.max_tokens, self.n_ctx - session.position - 1)
             asks.append((session, max(room, 0)))
         drafts = self.drafter.propose_many(asks)
-        for (g, (session, spec, key)), (_, room), draft in zip(work, asks, drafts, strict=True):
-            if spec.branches:
-                branches = self.drafter.branches(session, draft.tokens, spec.branches, room)
-                draft = dataclasses.replace(draft, branches=branches)
+        for (g, (session, spec, key)), draft in zip(work, drafts, strict=True):
             result = ProposeResult(spec.session_id, session.position, draft)
             session.last_call = (key, result)
             outcomes[g][spec.session_id] = result
@@ -127,7 +122,7 @@ class DraftService:
         checked = []
         for spec in specs:
             session = self.store.get(spec.session_id)
-            key = ("propose", spec.position, tuple(spec.append), spec.max_tokens, spec.rewind, spec.branches)
+            key = ("propose", spec.position, tuple(spec.append), spec.max_tokens, spec.rewind)
             if spec.rewind and len(session.prompt) <= spec.position < session.position:
                 hit = session.last_call[1] if session.last_call and session.last_call[0] == key else None
             else:

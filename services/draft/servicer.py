@@ -99,7 +99,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         self._ready()
         t0, f0 = time.perf_counter_ns(), self._forward_ns()
         specs = [
-            ProposeSpec(i.session_id, i.position, list(i.append_token_ids), i.max_tokens, i.rewind, i.branches)
+            ProposeSpec(i.session_id, i.position, list(i.append_token_ids), i.max_tokens, i.rewind)
             for i in request.items
         ]
         results = await self.scheduler.batched("propose", specs)
@@ -110,7 +110,6 @@ class DraftServicer(pb_grpc.DraftServicer):
                     position=r.position,
                     token_ids=r.draft.tokens,
                     distributions=[dist_to_pb(d) for d in r.draft.dists or ()],
-                    branches=[pb.Branch(accepted=j, token=t, token_ids=ids) for j, t, ids in r.draft.branches],
                 )
                 for r in results
             ],

@@ -73,7 +73,6 @@ class GenerationStats:
     verify_calls: int = 0  # all verify calls, with or without a draft
     verify_steps: int = 0  # target steps those calls ran (a target-only call may run several: plain_steps)
     lookahead_rounds: int = 0  # rounds whose draft came from the n-gram lookahead, with no Propose call
-    branch_rounds: int = 0  # rounds whose draft an n-gram service sent ahead with the round before (Proposal.branches)
     propose_calls: int = 0  # Propose calls to the draft service (drafts-ahead included)
     overlapped_rounds: int = 0  # rounds whose draft was drafted during the previous verification
     pipelined_rounds: int = 0  # rounds without a draft sent before the previous one's answer (see _lookup_stretch)
@@ -132,7 +131,6 @@ class GenerationStats:
             "verify_calls": self.verify_calls,
             "verify_steps": self.verify_steps,
             "lookahead_rounds": self.lookahead_rounds,
-            "branch_rounds": self.branch_rounds,
             "propose_calls": self.propose_calls,
             "overlapped_rounds": self.overlapped_rounds,
             "pipelined_rounds": self.pipelined_rounds,
@@ -242,10 +240,6 @@ class Generation:
         self._target_pos = self._draft_pos = self._produced = 0
         self._unsent: list[int] = []
         self._lookahead: list[int] = []
-        # An n-gram draft service's proposals for after each outcome of the round being verified (ProposeItem.branches):
-        # (accepted, target token) -> the next round's draft, so that round needs no Propose of its own.
-        self._branches: dict[tuple[int, int], list[int]] = {}
-        self._from_branch = False  # the lookahead holds a branch's draft
         self._t1 = self._last = 0
         self._plain_done: int | None = None  # when the last pipelined plain call answered (None: none queued behind)
         self.costs = costs if costs is not None else CostModel()
@@ -617,7 +611,6 @@ class Generation:
         round's follow-up call (`follow`, see `_follow_up`), already on its way: it is then the first call.
         """
         self._lookahead = []  # a continuation of the last proposal, which these tokens go past
-        self._branches, self._from_branch = {}, False
         # (call, tokens it asks for, its stop_at_repeat, its round span)
         inflight: deque[tuple[asyncio.Future, int, int, trace.Span]] = deque()
         self._plain_done = None
@@ -868,12 +861,8 @@ class Generation:
             return (drafts, [], 0, 0) if len(drafts) >= max(self.req.n_min, 1) else ([], [], 0, 0)
         if self._lookahead:
             drafts, self._lookahead = self._lookahead[:k], self._lookahead[k:]
-            from_branch, self._from_branch = self._from_branch, False
             if len(drafts) >= max(self.req.n_min, 1):
-                if from_branch:
-                    self.stats.branch_rounds += 1
-                else:
-                    self.stats.lookahead_rounds += 1
+                self.stats.lookahead_rounds += 1
                 return drafts, [], 0, 0
             self._lookahead = []  # too short to verify: ask the service, which may find a longer continuation
         if self._ahead is not None:  # drafted during the last verification, and still valid
@@ -890,16 +879,12 @@ class Generation:
         drafts: list[int] = []
         dists: list = []
         compute = 0
-        # An n-gram service also proposes ahead for each way this round's verification can end (the outcomes the
-        # lookahead does not cover): a lookup costs it microseconds, a Propose round trip ~1 ms.
-        branches = k if self._model_free_draft else 0
-        reply = await self._propose_rpc([], ask, round_span, branches)
+        reply = await self._propose_rpc([], ask, round_span)
         if reply is not None:
             proposal = reply.proposals[0]
             drafts = list(proposal.token_ids)
             dists = list(proposal.distributions)
             compute = reply.timing.forward_ns
-            self._branches = {(b.accepted, b.token): list(b.token_ids) for b in proposal.branches}
         proposed = len(drafts)
         if guessing and len(drafts) > k:
             self._guess = drafts[k]
@@ -911,10 +896,9 @@ class Generation:
             return [], [], compute, proposed
         return drafts, dists, compute, proposed
 
-    async def _propose_rpc(self, tentative: list[int], max_tokens: int, span_parent: trace.Span, branches: int = 0):
+    async def _propose_rpc(self, tentative: list[int], max_tokens: int, span_parent: trace.Span):
         """One Propose: append what the draft has not seen (plus `tentative` drafts, when drafting ahead) and ask for
-        max_tokens more (and `branches`, ProposeItem.branches). Updates the draft position; a failure switches the
-        request to target-only (None)."""
+        max_tokens more. Updates the draft position; a failure switches the request to target-only (None)."""
         if self._draft_opening is not None and not await self._draft_opened():
             return None
         d0 = time.perf_counter_ns()
@@ -926,7 +910,6 @@ class Generation:
             append_token_ids=[*self._unsent, *tentative],
             max_tokens=max_tokens,
             rewind=rewind,
-            branches=branches,
         )
         self.stats.propose_calls += 1
         self._last_propose_ns = time.perf_counter_ns()
@@ -966,15 +949,11 @@ class Generation:
         return reply.timing.forward_ns
 
     def _keep_lookahead(self, drafts: list[int], result: pb.VerifyResult) -> None:
-        """The lookahead stays valid only if every draft was accepted and the target's own token is its next one;
-        otherwise the service's branch for the round's outcome, if it sent one, becomes the next round's draft."""
-        branches, self._branches = self._branches, {}
-        self._from_branch = False
+        """The lookahead stays valid only if every draft was accepted and the target's own token is its next one."""
         if self._lookahead and result.num_accepted == len(drafts) and result.tokens[-1].id == self._lookahead[0]:
             self._lookahead = self._lookahead[1:]
-            return
-        self._lookahead = branches.get((result.num_accepted, result.tokens[-1].id), [])
-        self._from_branch = bool(self._lookahead)
+        else:
+            self._lookahead = []
 
     async def _verify(
         self,
