@@ -6,13 +6,11 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from tandem.config import DraftSettings, TargetSettings, limit_omp_spin
-
-ROOT = Path(__file__).resolve().parents[1]
+from tandem.launch import ROOT
 
 
 @pytest.fixture

@@ -37,8 +37,9 @@ def colocated_models(settings: GatewaySettings, configure_target: Callable[[Any]
 
     target = TargetSettings()
     draft = None if settings.local_ngram or not settings.draft else DraftSettings()
-    pin_colocated(*(m for m in (target, draft) if m is not None))
-    limit_omp_spin(*(m for m in (target, draft) if m is not None))
+    models = [m for m in (target, draft) if m is not None]
+    pin_colocated(*models)
+    limit_omp_spin(*models)
     import tandem.engine  # noqa: F401
     from services.gateway.app import Colocated
 
