@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from pydantic_settings import BaseSettings, CliApp
 
-from tandem.config import limit_omp_spin
+from tandem.config import prepare_process
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -27,16 +27,12 @@ def parse_settings(cls: type[S], argv: list[str] | None = None) -> S:
 
 
 def service_main(settings_type: type, tracing_name: str, run: Callable[[Any], Awaitable[None]], argv=None) -> None:
-    """Entry point shared by the model services: settings, device pinning, llama.cpp, tracing, then `run`.
-
-    Import order matters: the device must be pinned before llama.cpp starts, and llama_cpp must be imported before
-    grpc and numpy (on the CUDA image, grpc first makes model loading segfault; numpy first crashes the tokenizer).
-    Nothing imported above this point pulls in grpc or numpy.
+    """Entry point shared by the model services: settings, the process prepared for llama.cpp (device pinning, spin
+    count, llama_cpp imported first: see tandem.config.prepare_process), tracing, then `run`. Nothing imported above
+    this point pulls in grpc or numpy.
     """
     settings = parse_settings(settings_type, argv)
-    settings.pin_device()
-    limit_omp_spin(settings)
-    import tandem.engine  # noqa: F401
+    prepare_process(settings)
     from tandem.telemetry import setup_tracing
 
     setup_tracing(tracing_name)

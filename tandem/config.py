@@ -132,6 +132,21 @@ def limit_omp_spin(*models: EngineSettings) -> None:
         os.environ["GOMP_SPINCOUNT"] = str(min(counts))
 
 
+def prepare_process(*models: EngineSettings, colocated: bool = False) -> None:
+    """Ready this process for llama.cpp, in the one order that works, for both entry points (the services'
+    tandem.cli.service_main and the co-located gateway): pin the models to their devices, set libgomp's spin count,
+    then import llama_cpp. The first two must happen before llama_cpp loads (the device runtimes and libgomp read
+    the environment once); llama_cpp must come before grpc and numpy (on the CUDA image, grpc first makes model
+    loading segfault; numpy first crashes the tokenizer), so callers import neither before this."""
+    if colocated:
+        pin_colocated(*models)
+    else:
+        for model in models:
+            model.pin_device()
+    limit_omp_spin(*models)
+    import tandem.engine  # noqa: F401
+
+
 def pin_colocated(*models: EngineSettings) -> None:
     """Pin models that share one process (the co-located gateway) to their devices before llama_cpp is imported.
 

@@ -42,30 +42,52 @@ def test_environment_wins(clean_env: pytest.MonkeyPatch, variable: str) -> None:
     assert os.environ.get("GOMP_SPINCOUNT") == (None if variable == "OMP_WAIT_POLICY" else "123")
 
 
-def test_service_entry_sets_it_before_libgomp_loads() -> None:
-    """The services' entry point (tandem.cli.service_main): the variable is set while libgomp is not yet mapped, and
-    llama.cpp, loaded after it, maps libgomp (so it read the variable at load)."""
+ENTRY_POINTS = {
+    # The services' entry point.
+    "service": """
+        import tandem.cli as cli
+        from tandem.config import TargetSettings
+
+        async def run(settings):
+            report()
+
+        cli.service_main(TargetSettings, "omp-spin-test", run, ["--omp-spin-count", "4321"])
+    """,
+    # The co-located gateway's: the target and a model draft in one process, the lowest count of the two.
+    "colocated": """
+        from services.gateway.__main__ import colocated_models
+        from tandem.config import GatewaySettings
+
+        os.environ.update(TANDEM_TARGET_OMP_SPIN_COUNT="9000", TANDEM_DRAFT_OMP_SPIN_COUNT="4321")
+        colocated_models(GatewaySettings(local_ngram=False, draft="127.0.0.1:1"), None)
+        report()
+    """,
+}
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_entry_points_set_it_before_libgomp_loads(entry: str) -> None:
+    """Both entry points: the variable is set while libgomp is not yet mapped, and llama.cpp, loaded after it, maps
+    libgomp (so it read the variable at load)."""
     script = textwrap.dedent(
         """
-        import os, tandem.cli as cli
-        from tandem.config import TargetSettings
+        import os
+        import tandem.config as config
 
         def mapped():
             return "libgomp" in open("/proc/self/maps").read()
 
         seen = {}
-        original = cli.limit_omp_spin
+        original = config.limit_omp_spin
         def spy(*models):
             seen["gomp_loaded_before"] = mapped()
             original(*models)
-        cli.limit_omp_spin = spy
+        config.limit_omp_spin = spy
 
-        async def run(settings):
+        def report():
             print(os.environ.get("GOMP_SPINCOUNT"), seen["gomp_loaded_before"], mapped())
-
-        cli.service_main(TargetSettings, "omp-spin-test", run, ["--omp-spin-count", "4321"])
         """
-    )
+    ) + textwrap.dedent(ENTRY_POINTS[entry])
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     out = subprocess.run(
         [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True

@@ -31,16 +31,13 @@ def main(argv: list[str] | None = None, configure_target: Callable[[Any], None] 
 
 
 def colocated_models(settings: GatewaySettings, configure_target: Callable[[Any], None] | None):
-    """The models to load into this process, pinned to their devices, with llama_cpp imported before grpc and numpy
-    (the order tandem.cli.service_main keeps for the services). Nothing imported so far pulls in either."""
-    from tandem.config import DraftSettings, TargetSettings, limit_omp_spin, pin_colocated
+    """The models to load into this process, with the process prepared for them as the services prepare theirs
+    (tandem.config.prepare_process). Nothing imported so far pulls in grpc or numpy."""
+    from tandem.config import DraftSettings, TargetSettings, prepare_process
 
     target = TargetSettings()
     draft = None if settings.local_ngram or not settings.draft else DraftSettings()
-    models = [m for m in (target, draft) if m is not None]
-    pin_colocated(*models)
-    limit_omp_spin(*models)
-    import tandem.engine  # noqa: F401
+    prepare_process(*(m for m in (target, draft) if m is not None), colocated=True)
     from services.gateway.app import Colocated
 
     return Colocated(target, draft, configure_target, overlap=settings.overlap_draft)
