@@ -89,7 +89,9 @@ class EngineSettings(BaseSettings):
         " (GOMP_SPINCOUNT, set for the process unless the environment sets it; -1 = libgomp's default of 300,000)."
         " Spinning through a round trip to another process takes a core from it: on a 2-core CPU, 10,000 took the"
         " n-gram draft service's overhead from 8.5-11.1% to 7.9-9.8% of a round, with target-only decoding at"
-        " 0.99-1.07x its speed (docs/benchmarks/cpu-2026-12-04-omp-spin-quiet)",
+        " 0.99-1.07x its speed (docs/benchmarks/cpu-2026-12-04-omp-spin-quiet). Less does not help: 1,000 was no"
+        " better, and 0 made decoding 3.5x slower, since the count also governs every barrier inside a pass"
+        " (docs/benchmarks/cpu-2026-12-05-omp-spin-low)",
     )
 
     def pin_device(self) -> None:
