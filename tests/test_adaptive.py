@@ -39,12 +39,15 @@ def test_cost_fit_waits_for_two_step_sizes() -> None:
 
 
 def test_cost_fit_remembers_its_slope_through_plain_decoding() -> None:
-    """A long stretch of one-token steps (a request that stopped drafting): choosing k waits for a fresh fit, but
-    the futility test keeps the last slope, with the fixed cost following what those steps cost."""
+    """A long stretch of one-token steps (a request that stopped drafting): the fresh line is gone, the futility
+    test keeps the last slope, with the fixed cost following what those steps cost, and rounds are still priced
+    from the step sizes measured alone (which a stretch of plain decoding does not fade)."""
     costs = costs_with(20.0, 6.0)
     for _ in range(300):
         costs.observe_verify(1, 1, int(26e6))  # one-token steps, costing what the line says
-    assert costs.line() is None and costs.round_ns(2) is None
+    assert costs.line() is None and costs.round_ns(2) is None and costs.round_costs(8) is None
+    assert costs.round_ns(2, priced_alone=True) == pytest.approx(38e6)  # 3 tokens as measured (no overhead here)
+    assert costs.round_costs(8, priced_alone=True)[8] == pytest.approx(74e6)  # 9 tokens
     fixed, per_token = costs.line(remembered=True)
     assert per_token == pytest.approx(6e6, rel=1e-6) and fixed == pytest.approx(20e6, rel=1e-6)
     for _ in range(300):
@@ -71,6 +74,9 @@ def test_round_cost_uses_each_step_size_as_measured() -> None:
     assert costs.round_ns(1) == pytest.approx(21.4e6, rel=0.01)  # measured 19.4 ms + 2 ms of overhead
     assert costs.round_ns(0) == pytest.approx(13.7e6, rel=0.01)
     assert costs.round_ns(3) == pytest.approx(fixed + 4 * per_token + 2e6)  # 4 tokens: never measured
+    # Priced alone, sizes never measured lie between the measured ones, or on from the two largest.
+    assert costs.round_ns(3, priced_alone=True) == pytest.approx((26.1 + 37.5) / 2 * 1e6 + 2e6)
+    assert costs.round_ns(19, priced_alone=True) == pytest.approx((90.0 + 3 * 35.0 / 8) * 1e6 + 2e6)
     for _ in range(30):
         costs.observe_verify(8, 4, int(40e6))  # four sessions a step from now on
     assert costs.round_ns(1) != pytest.approx(21.4e6, rel=0.05)
@@ -246,6 +252,31 @@ def test_match_policy_weighs_a_draft_against_a_pipelined_plain_token() -> None:
     new = MatchLengthPolicy(costs, reached=record.reached, accepted=record.accepted)
     assert new.choose(match_len=2, available=1) == 0
     assert new.choose(match_len=12, available=11) == 11  # trusted long matches still draft
+
+
+def cpu_costs() -> CostModel:
+    """The 2-core CPU's costs: a pipelined plain token 15.2 ms, a round 14.5 ms + 4.7 ms a token + 2 ms overhead (a
+    1-token draft then pays from ~70% acceptance)."""
+    costs = costs_with(14.5, 4.7, overhead_ms=2.0)
+    costs.observe_plain_token(15.2e6)
+    return costs
+
+
+def test_match_policy_still_prices_rounds_after_a_stretch_of_plain_decoding() -> None:
+    """The 2-core EPYC's costs (2 tokens cost 2.0x a one-token step): after a stretch of one-token steps the fitted
+    line is gone, yet a short proposal is still judged by the measured sizes, not kept whole for want of a price."""
+    costs = CostModel()
+    for _ in range(4):
+        for tokens, ms in {1: 5.8, 2: 11.6, 3: 14.1, 4: 17.0, 6: 24.0}.items():
+            costs.observe_verify(tokens, 1, int(ms * 1e6))
+    costs.observe_overhead(1.6e6)
+    costs.observe_plain_token(6.5e6)
+    for _ in range(100):
+        costs.observe_verify(1, 1, int(5.8e6))
+    assert costs.line() is None
+    policy = MatchLengthPolicy(costs)
+    assert policy.choose(match_len=2, available=1) == 0  # 1 + 0.94 tokens for 13.2 ms against 6.5 ms a token
+    assert policy.choose(match_len=20, available=8) == 8  # a copied passage: 9 tokens for ~32 ms
 
 
 def test_match_policy_tries_again_once_its_record_has_decayed() -> None:

@@ -44,8 +44,9 @@ class CostModel:
     _s: list[float] = field(default_factory=lambda: [0.0] * 5)
     # The slope last identified, for `drafting_can_pay` while recent steps all have one size (a stretch of plain
     # decoding says nothing about it): without it, a request that stopped drafting would leave the next one
-    # exploring again. Choosing k still waits for a fresh fit: a slope remembered from batched steps under load
-    # kept an n-gram request alone from drafting at all (measured in the test suite).
+    # exploring again. Choosing k does not use it: a slope remembered from batched steps under load kept an n-gram
+    # request alone from drafting at all (measured in the test suite). It waits for a fresh fit, or prices a
+    # session stepping alone from the sizes measured alone (`round_ns(priced_alone=True)`).
     _slope: float | None = None
     overhead_ns: float | None = None
     draft_token_ns: float = 0.0
@@ -128,14 +129,15 @@ class CostModel:
         # Only a clear verdict stops a request: a fitted intercept is noisy, and near the line pausing costs little.
         return line[0] / max(self.sequences, 1.0) * FUTILE_MARGIN > self.draft_token_ns
 
-    def plain_ns(self) -> float | None:
+    def plain_ns(self, priced_alone: bool = False) -> float | None:
         """What a token costs when the lookup does not draft: it then decodes in a pipelined stretch (several steps
         a call, the next call queued), so a token costs a step and its share of the messages, not a round's
         overhead. `round_ns(0)` charged it a whole round's overhead (~2 ms of gRPC and Python against ~0.7 ms), which
         made short drafts of sampled text look worth it: 1 draft token paid from 29% acceptance instead of ~40%.
+        `priced_alone` as for `round_ns`.
         """
-        if self.plain_token_ns is None or self.line() is None:
-            return self.round_ns(0)
+        if self.plain_token_ns is None or self.round_ns(0, priced_alone) is None:
+            return self.round_ns(0, priced_alone)
         return self.plain_token_ns
 
     def step_ns(self, tokens: int) -> float | None:
@@ -143,19 +145,58 @@ class CostModel:
         ns, n = self._by_size.get(tokens, (0.0, 0))
         return ns if n >= SIZE_TRUSTED else None
 
-    def round_ns(self, k: int) -> float | None:
+    def lone_step_ns(self, tokens: int) -> float | None:
+        """A one-sequence step of `tokens` tokens from the sizes measured alone: as measured, else interpolated
+        between the nearest measured sizes, or extended from the two largest (None: below the smallest, or fewer
+        than two sizes measured).
+
+        Unlike the line, these do not fade through a stretch of plain decoding: a size keeps its last measurement
+        until it is measured again. The line needs two step sizes among the recent steps, and after ~30 one-token
+        steps it had none: the lookup's rounds went unpriced and kept whole proposals. On a 2-core EPYC, where 2
+        tokens cost 2.0x a one-token step, sampled chat then drafted in 12-16 rounds a request with 25% accepted;
+        replayed at its costs (`python -m bench.replay_ngram`, docs/benchmarks/cpu-2026-12-05-lone-step-costs), the
+        adaptive lookup went from 1.110x to 1.133x of target-only on average, sampled chat from 0.932x to 0.981x."""
+        measured = self.step_ns(tokens)
+        if measured is not None:
+            return measured
+        sizes = sorted(n for n in self._by_size if self.step_ns(n) is not None)
+        below = [n for n in sizes if n < tokens]
+        above = [n for n in sizes if n > tokens]
+        if not below or (not above and len(below) < 2):
+            return None
+        a, b = (below[-1], above[0]) if above else (below[-2], below[-1])
+        ns_a, ns_b = self.step_ns(a), self.step_ns(b)
+        assert ns_a is not None and ns_b is not None
+        slope = max((ns_b - ns_a) / (b - a), 0.0)
+        return ns_a + slope * (tokens - a)
+
+    def round_ns(self, k: int, priced_alone: bool = False) -> float | None:
         """A round with k draft tokens: the step of k + 1 tokens as measured at that size when this session steps
-        alone (else from the line, its fixed part shared by the batch), the round's overhead and the draft's cost."""
+        alone (else from the line, its fixed part shared by the batch), the round's overhead and the draft's cost.
+        None while the line is unknown, unless `priced_alone`: then a session stepping alone is priced from the
+        sizes measured alone (`lone_step_ns`) whether the line is known or not.
+
+        `DraftLengthPolicy` prices without it: it chooses k before it sees a draft, from acceptance by position with
+        a neutral prior, and the rounds it drafts while the line is unknown are how a request finds out that
+        drafting pays (an n-gram draft service on the test suite's single-threaded target stopped drafting copied
+        text when priced alone). `MatchLengthPolicy` prices with it: it judges each proposal by the match behind it,
+        whose prior already trusts long matches."""
+        overhead = self.overhead_ns or 0.0
         line = self.line()
+        if self.sequences < 1.5 and (priced_alone or line is not None):
+            measured = self.lone_step_ns(k + 1) if priced_alone else self.step_ns(k + 1)
+            if measured is not None:
+                return measured + overhead + self.draft_token_ns * k
         if line is None:
             return None
-        overhead = self.overhead_ns or 0.0
-        measured = self.step_ns(k + 1) if self.sequences < 1.5 else None
-        if measured is not None:
-            return measured + overhead + self.draft_token_ns * k
         fixed, per_token = line
         shared = (fixed + overhead) / max(self.sequences, 1.0)
         return shared + per_token * (k + 1) + self.draft_token_ns * k
+
+    def round_costs(self, max_k: int, priced_alone: bool = False) -> list[float] | None:
+        """`round_ns(k, priced_alone)` for k = 0..max_k, or None while any of them is unknown."""
+        costs = [self.round_ns(k, priced_alone) for k in range(max_k + 1)]
+        return None if any(c is None for c in costs) else costs  # type: ignore[return-value]
 
 
 @dataclass
@@ -252,18 +293,19 @@ class DraftLengthPolicy:
             self._probed = True  # one short draft: the shared costs may be stale (the draft was busy, say)
             self.last_choice = min(lo, hi)
             return self.last_choice
-        if self.costs.round_ns(0) is None:
+        costs = self.costs.round_costs(hi)
+        if costs is None:
             # Cost curve not known yet: alternate full and half drafts, so that the fit sees two step sizes.
             self._explore += 1
             k = hi if self._explore % 2 else max(min(lo, hi), hi // 2)
         else:
-            best_k, best_rate = 0, 1.0 / self.costs.round_ns(0)
+            best_k, best_rate = 0, 1.0 / costs[0]
             expected, survive = 1.0, 1.0
             for k, r in enumerate(self.tracker.rates(hi), start=1):
                 survive *= r
                 expected += survive  # = tracker.expected_tokens(k)
-                if k >= lo and expected / self.costs.round_ns(k) > best_rate:
-                    best_k, best_rate = k, expected / self.costs.round_ns(k)
+                if k >= lo and expected / costs[k] > best_rate:
+                    best_k, best_rate = k, expected / costs[k]
             k = best_k
         if k == 0:
             self._plain_rounds += 1
@@ -357,10 +399,11 @@ class MatchLengthPolicy:
     def pricing(self, max_draft: int) -> tuple[tuple[float, ...], list[float], float] | None:
         """What `best_draft_length` weighs with: the rate by match bucket, the cost of a round with 0..max_draft
         drafts and of a plain token. None until the cost curve is known (then every proposal is kept whole)."""
-        if self.costs.round_ns(0) is None:
+        costs = self.costs.round_costs(max_draft, priced_alone=True)
+        plain = self.costs.plain_ns(priced_alone=True)
+        if costs is None or plain is None:
             return None
-        costs = [self.costs.round_ns(n) for n in range(max_draft + 1)]
-        return self.bucket_rates(), costs, self.costs.plain_ns()  # type: ignore[return-value]
+        return self.bucket_rates(), costs, plain
 
     def observe_round(self, match_len: int, drafted: int, accepted: int) -> None:
         """A round the target drafted itself (`LookupRule`), behind a `match_len`-token match."""
