@@ -63,6 +63,18 @@ def detail_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _styles(configs: list[str], family: dict[str, str], plt) -> dict[str, tuple[tuple, str]]:
+    """A colour per configuration, tandem's from one colour map and llama-server's from another (and hatched), so
+    that two dozen configurations stay apart and each side reads as one group."""
+    ours = [c for c in configs if family.get(c) != "llama-server"]
+    peers = [c for c in configs if family.get(c) == "llama-server"]
+    style: dict[str, tuple[tuple, str]] = {}
+    for names, cmap, hatch in ((ours, plt.get_cmap("viridis"), ""), (peers, plt.get_cmap("autumn"), "//")):
+        for i, c in enumerate(names):
+            style[c] = (cmap(0.9 * i / max(len(names) - 1, 1)), hatch)
+    return style
+
+
 def plots(out: Path, rows: list[dict]) -> list[Path]:
     import matplotlib
 
@@ -75,24 +87,28 @@ def plots(out: Path, rows: list[dict]) -> list[Path]:
         c for c in dict.fromkeys(r["config"] for r in rows) if not c.endswith("target-only") and c != "llama-server"
     ]
     cell = {(r["config"], r["workload"]): r for r in rows}
+    style = _styles(configs, {r["config"]: r["family"] for r in rows}, plt)
+    legend_rows = -(-len(configs) // 3)  # three columns under the plot, so that no bar hides behind it
 
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(workloads)), 4.5))
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(workloads)), 4.5 + 0.17 * legend_rows))
     width = 0.8 / max(len(configs), 1)
     for i, c in enumerate(configs):
         values = [(cell.get((c, w)) or {}).get("speedup") or 0 for w in workloads]
-        ax.bar([x + i * width for x in range(len(workloads))], values, width, label=c)
+        color, hatch = style[c]
+        xs = [x + i * width for x in range(len(workloads))]
+        ax.bar(xs, values, width, label=c, color=color, hatch=hatch, edgecolor="white", linewidth=0.3)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(workloads))], workloads)
     ax.set_ylabel("decode speedup over own baseline")
-    ax.set_title("Speedup by workload and configuration")
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("Speedup by workload and configuration (hatched: llama-server)")
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08), frameon=False)
     fig.tight_layout()
     path = out / "speedup.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     written.append(path)
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
     for c in configs:
         pos = [r["acceptance_by_position"] for r in rows if r["config"] == c and r["acceptance_by_position"]]
         if not pos:
@@ -102,13 +118,15 @@ def plots(out: Path, rows: list[dict]) -> list[Path]:
         for i in range(n):
             vals = [p[i] for p in pos if i < len(p) and p[i] is not None]
             mean.append(sum(vals) / len(vals) if vals else None)
-        ax.plot(range(1, n + 1), mean, marker="o", label=c)
+        color, hatch = style[c]
+        ax.plot(range(1, n + 1), mean, marker="o", label=c, color=color, linestyle="--" if hatch else "-")
     ax.set_xlabel("draft position")
     ax.set_ylabel("P(accepted | reached)")
     ax.set_ylim(0, 1.05)
-    ax.set_title("Acceptance by draft position (mean over workloads)")
+    dashed = any(line.get_linestyle() == "--" for line in ax.get_lines())
+    ax.set_title("Acceptance by draft position (mean over workloads" + ("; dashed: llama-server)" if dashed else ")"))
     if ax.get_lines():  # a run without drafts (target-only rows only) has nothing to label
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     else:
         ax.text(0.5, 0.5, "no drafted tokens in this run", ha="center", transform=ax.transAxes)
     fig.tight_layout()
