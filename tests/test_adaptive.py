@@ -254,14 +254,6 @@ def test_match_policy_weighs_a_draft_against_a_pipelined_plain_token() -> None:
     assert new.choose(match_len=12, available=11) == 11  # trusted long matches still draft
 
 
-def cpu_costs() -> CostModel:
-    """The 2-core CPU's costs: a pipelined plain token 15.2 ms, a round 14.5 ms + 4.7 ms a token + 2 ms overhead (a
-    1-token draft then pays from ~70% acceptance)."""
-    costs = costs_with(14.5, 4.7, overhead_ms=2.0)
-    costs.observe_plain_token(15.2e6)
-    return costs
-
-
 def test_match_policy_still_prices_rounds_after_a_stretch_of_plain_decoding() -> None:
     """The 2-core EPYC's costs (2 tokens cost 2.0x a one-token step): after a stretch of one-token steps the fitted
     line is gone, yet a short proposal is still judged by the measured sizes, not kept whole for want of a price."""

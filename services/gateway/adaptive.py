@@ -136,9 +136,8 @@ class CostModel:
         made short drafts of sampled text look worth it: 1 draft token paid from 29% acceptance instead of ~40%.
         `priced_alone` as for `round_ns`.
         """
-        if self.plain_token_ns is None or self.round_ns(0, priced_alone) is None:
-            return self.round_ns(0, priced_alone)
-        return self.plain_token_ns
+        plain_round = self.round_ns(0, priced_alone)
+        return plain_round if self.plain_token_ns is None or plain_round is None else self.plain_token_ns
 
     def step_ns(self, tokens: int) -> float | None:
         """A one-sequence step of `tokens` tokens as measured at that size (None: not measured often enough)."""
