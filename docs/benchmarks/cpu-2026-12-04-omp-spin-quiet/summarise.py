@@ -1,13 +1,17 @@
-"""One line per run of the A/B: overhead % (json, chat, edit-t0.7, summary), target-only tok/s, service speedups."""
+"""One line per run of the A/B: overhead % (json, chat, edit-t0.7, summary), target-only tok/s, service speedups.
+
+`python summarise.py [FOLDER]`: the runs in FOLDER's subfolders (default: this script's folder)."""
 
 import glob
 import json
+import sys
 from pathlib import Path
 
 WORKLOADS = ("json", "chat", "edit-t0.7", "summary")
 CONFIGS = ("target-only", "ngram k=8", "ngram-service k=8")
 
-for path in sorted(glob.glob(str(Path(__file__).parent / "*" / "results.json"))):
+folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
+for path in sorted(glob.glob(str(folder / "*" / "results.json"))):
     data = json.loads(Path(path).read_text())
     by = {(r["config"], r["workload"]): r for r in data.get("rows") or data.get("summary")}
     overhead = " | ".join(
