@@ -88,6 +88,17 @@ class SparseDist:
         object.__setattr__(self, "token_ids", ids)
         object.__setattr__(self, "probs", probs)
 
+    @classmethod
+    def exact(cls, token_ids: np.ndarray, probs: np.ndarray) -> SparseDist:
+        """A SparseDist from arrays that already hold its invariants (int64 distinct ids, float64 probs summing to 1),
+        without the checks: they cost ~20 us at 256 tokens, and a sampled draft token builds one on each side."""
+        dist = object.__new__(cls)
+        token_ids.flags.writeable = False
+        probs.flags.writeable = False
+        object.__setattr__(dist, "token_ids", token_ids)
+        object.__setattr__(dist, "probs", probs)
+        return dist
+
     def prob_of(self, token: int) -> float:
         """q(token); zero outside the support (the support is small, so a linear scan is cheapest)."""
         hits = np.flatnonzero(self.token_ids == token)
@@ -129,6 +140,32 @@ def _tie_closed_top(values: np.ndarray, n: int) -> np.ndarray:
         return np.arange(values.size)
     kth = values[np.argpartition(values, values.size - n)[values.size - n]]
     return np.flatnonzero(values >= kth)
+
+
+_TOP_WINDOW = 8.0
+"""First width below the largest logit that `_top_candidates` searches; on SmolLM2 the 256th largest logit lies 4.5-12.4
+below the largest (median 8.3, 64 sampled steps), so one or two widths usually settle it."""
+
+
+def _top_candidates(x: np.ndarray, top: float, n: int) -> np.ndarray:
+    """`_tie_closed_top(x, n)` (ascending positions) from the values within a window below the largest, `top`.
+
+    Once the window holds at least n values, the n-th largest value lies inside it, and so does everything tied with
+    or above it: selecting among the window gives the same set. Counting a window costs ~6 us at 49k float32 logits
+    (2-core CPU), against ~54 us for an argpartition of the whole row. The window widens by a third at a time (by
+    doubling, it often took in 10-20k logits, whose positions cost more to list than the counts saved), and after a few
+    tries the whole row is taken.
+    """
+    if n >= x.size:
+        return np.arange(x.size)
+    width = _TOP_WINDOW
+    for _ in range(8):
+        inside = x >= top - width
+        if np.count_nonzero(inside) >= n:
+            window = np.flatnonzero(inside)
+            return window[_tie_closed_top(x[window], n)]
+        width *= 1.35
+    return _tie_closed_top(x, n)
 
 
 def _top_p_keep(ids: np.ndarray, probs: np.ndarray, top_p: float) -> np.ndarray:
@@ -260,14 +297,14 @@ def draft_distribution(logits: np.ndarray, params: SamplingParams, max_support: 
         return truncate(warp(logits, params), max_support)
     x, top = _as_logits(logits)
     # Tie-closed candidates, then the ranking truncate uses (descending probability, ties by lowest id).
-    kth = x[np.argpartition(x, x.size - max_support)[x.size - max_support]]
-    cand = np.flatnonzero(x >= kth)
+    cand = _top_candidates(x, top, max_support)
     z = np.subtract(x[cand], top, dtype=np.float64)
     keep = _ranked(cand, z)[:max_support]
     ids, z = cand[keep], z[keep]
     probs = np.exp(z * (1.0 / params.temperature))
     probs = probs[probs > 0.0]  # underflow (a token ~745 * T below the top): never sampled, not sent
-    return SparseDist(token_ids=ids[: probs.size].astype(np.int64), probs=probs / probs.sum())
+    # Distinct ids (positions), finite non-negative probs with the top one at 1: valid by construction.
+    return SparseDist.exact(ids[: probs.size].astype(np.int64), probs / probs.sum())
 
 
 def sample(probs: np.ndarray | SparseDist, rng: np.random.Generator) -> int:

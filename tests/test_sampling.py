@@ -18,6 +18,8 @@ from functools import cache
 import numpy as np
 import pytest
 
+from tandem.convert import dist_from_pb
+from tandem.errors import InvalidArgument
 from tandem.sampling import (
     ArgmaxRows,
     SamplingParams,
@@ -27,6 +29,8 @@ from tandem.sampling import (
     _inverse_cdf,
     _near_inverse_cdf,
     _temperature_weights,
+    _tie_closed_top,
+    _top_candidates,
     acceptance_probability,
     draft_distribution,
     residual_distribution,
@@ -37,6 +41,7 @@ from tandem.sampling import (
     verify_stochastic,
     warp,
 )
+from tandem.v1 import tandem_pb2 as pb
 
 AcceptFn = Callable[[np.ndarray, SparseDist | None, int], float]
 ResidualFn = Callable[[np.ndarray, SparseDist | None, int], np.ndarray]
@@ -266,6 +271,45 @@ def test_draft_distribution_is_the_truncated_warp(dtype: type) -> None:
     )
     with pytest.raises(ValueError):
         draft_distribution(small, SamplingParams(), 0)
+
+
+def test_top_candidates_is_the_tie_closed_top() -> None:
+    """The windowed search returns exactly the tie-closed top n, whether the n-th value lies in the first window, in
+    a widened one, or beyond every window (the whole-row fallback), with ties at the cut and -inf logits."""
+    rng = np.random.default_rng(5)
+    rows = [rng.normal(scale=scale, size=5000).astype(np.float32) for scale in (0.5, 3.0, 10.0, 40.0, 400.0)]
+    tied = np.zeros(5000, dtype=np.float32)
+    tied[[3, 4000]] = 50.0  # two leaders far above 4998 tied tokens: the cut falls among the ties
+    spiky = np.full(5000, -np.inf, dtype=np.float32)
+    spiky[rng.choice(5000, 300, replace=False)] = rng.normal(scale=30.0, size=300)
+    for row in [*rows, tied, spiky, rows[1].astype(np.float64)]:
+        for n in (1, 7, 256, 4999, 5000, 6000):
+            got = _top_candidates(row, float(row.max()), n)
+            want = np.sort(_tie_closed_top(row, n))
+            np.testing.assert_array_equal(got, want)
+
+
+def test_dist_from_pb_checks_what_the_wire_brings() -> None:
+    """A draft distribution from the wire is renormalised in float64, and anything a draft could not have sampled from
+    is refused with InvalidArgument (the servicer's INVALID_ARGUMENT), not built."""
+    q = dist_from_pb(pb.SparseDistribution(token_ids=[9, 2, 4], probs=[0.5, 0.25, 0.25000003]), n_vocab=10)
+    np.testing.assert_array_equal(q.token_ids, [9, 2, 4])
+    assert q.probs.dtype == np.float64 and abs(float(q.probs.sum()) - 1.0) < 1e-15
+    with pytest.raises(ValueError):
+        q.probs[0] = 1.0  # read-only, as SparseDist's own constructor makes it
+    for ids, probs in (
+        ([], []),
+        ([1, 2], [1.0]),
+        ([1, 1], [0.5, 0.5]),
+        ([1, 10], [0.5, 0.5]),
+        ([-1, 2], [0.5, 0.5]),
+        ([1, 2], [0.0, 0.0]),
+        ([1, 2], [-0.5, 1.5]),
+        ([1, 2], [float("nan"), 1.0]),
+        ([1, 2], [float("inf"), 1.0]),
+    ):
+        with pytest.raises(InvalidArgument):
+            dist_from_pb(pb.SparseDistribution(token_ids=ids, probs=probs), n_vocab=10)
 
 
 def test_draft_distribution_breaks_ties_by_lowest_id() -> None:
