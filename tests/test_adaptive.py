@@ -38,6 +38,33 @@ def test_cost_fit_waits_for_two_step_sizes() -> None:
     assert costs.line() is None and costs.round_ns(3) is None
 
 
+def test_lone_step_costs_interpolate_and_extend_the_trusted_sizes() -> None:
+    """`lone_step_ns` against its rule written out: a size as measured once trusted (3 observations), else the line
+    through the nearest trusted sizes around it, else through the two largest (never sloping down), else None."""
+    rng = random.Random(7)
+    for _ in range(200):
+        costs = CostModel()
+        seen: dict[int, list[float]] = {}
+        for _ in range(rng.randrange(0, 25)):
+            size, ns = rng.randrange(1, 12), rng.uniform(1e6, 30e6)
+            costs.observe_verify(size, 1, int(ns))
+            seen.setdefault(size, []).append(int(ns))
+        trusted = sorted(n for n, obs in seen.items() if len(obs) >= 3)
+        for tokens in range(1, 40):
+            got = costs.lone_step_ns(tokens)
+            if tokens in trusted:
+                assert got == costs.step_ns(tokens) and got is not None
+                continue
+            below = [n for n in trusted if n < tokens]
+            above = [n for n in trusted if n > tokens]
+            if not below or (not above and len(below) < 2):
+                assert got is None
+                continue
+            a, b = (below[-1], above[0]) if above else (below[-2], below[-1])
+            slope = max((costs.step_ns(b) - costs.step_ns(a)) / (b - a), 0.0)
+            assert got == pytest.approx(costs.step_ns(a) + slope * (tokens - a), rel=1e-12)
+
+
 def test_cost_fit_remembers_its_slope_through_plain_decoding() -> None:
     """A long stretch of one-token steps (a request that stopped drafting): the fresh line is gone, the futility
     test keeps the last slope, with the fixed cost following what those steps cost, and rounds are still priced
