@@ -345,7 +345,7 @@ class GatewaySettings(BaseSettings):
         " service a Propose, per token there)",
     )
     plain_burst_ms: float = Field(
-        40.0,
+        100.0,
         ge=0,
         le=1000,
         description="target-only decoding: each Verify call asks for as many tokens as the target computes in this"

@@ -42,7 +42,7 @@ from tandem.v1 import tandem_pb2 as pb
 log = logging.getLogger(__name__)
 
 PLAIN_PIPELINE = 2  # default target-only Verify calls in flight per request (see Generation._plain_tokens)
-PLAIN_BURST_MS = 40.0  # default time's worth of target-only tokens one Verify call asks for (Generation._plain_steps)
+PLAIN_BURST_MS = 100.0  # default time's worth of target-only tokens one Verify call asks for (Generation._plain_steps)
 MAX_PLAIN_STEPS = 16  # the most tokens one target-only call asks for, however short the steps
 # A lookup stretch ends after this long without a Propose, so that the draft service's session never sits idle long
 # enough to expire (its default idle timeout is 300 s); the next Propose, empty or not, starts a new stretch.
