@@ -48,10 +48,8 @@ def dist_from_pb(msg: pb.SparseDistribution, n_vocab: int) -> SparseDist:
     probs = np.asarray(msg.probs, dtype=np.float64)
     if len(ids) == 0 or len(ids) != len(probs):
         raise InvalidArgument("a draft distribution needs as many probs as token_ids, and at least one")
-    if ids.min() < 0 or ids.max() >= n_vocab:
-        raise InvalidArgument("draft distribution token ids must be distinct and inside the vocabulary")
-    ordered = np.sort(ids)
-    if np.any(ordered[1:] == ordered[:-1]):
+    ordered = np.sort(ids)  # its ends are the range, its neighbours the duplicates
+    if ordered[0] < 0 or ordered[-1] >= n_vocab or np.any(ordered[1:] == ordered[:-1]):
         raise InvalidArgument("draft distribution token ids must be distinct and inside the vocabulary")
     total = float(probs.sum())
     if not math.isfinite(total) or probs.min() < 0 or total <= 0:  # a NaN or an inf anywhere makes the sum one

@@ -82,9 +82,12 @@ class SparseDist:
             raise ValueError("probs must be finite and non-negative")
         if abs(float(probs.sum()) - 1.0) > 1e-6:
             raise ValueError(f"probs must sum to 1, got {float(probs.sum())!r}")
+        self._install(ids, probs)
+
+    def _install(self, ids: np.ndarray, probs: np.ndarray) -> None:
+        """Frozen dataclass: the arrays are made read-only and installed once, so callers cannot mutate q afterwards."""
         ids.flags.writeable = False
         probs.flags.writeable = False
-        # Frozen dataclass: normalised copies are installed once here so callers cannot mutate q afterwards.
         object.__setattr__(self, "token_ids", ids)
         object.__setattr__(self, "probs", probs)
 
@@ -93,10 +96,7 @@ class SparseDist:
         """A SparseDist from arrays that already hold its invariants (int64 distinct ids, float64 probs summing to 1),
         without the checks: they cost ~20 us at 256 tokens, and a sampled draft token builds one on each side."""
         dist = object.__new__(cls)
-        token_ids.flags.writeable = False
-        probs.flags.writeable = False
-        object.__setattr__(dist, "token_ids", token_ids)
-        object.__setattr__(dist, "probs", probs)
+        dist._install(token_ids, probs)
         return dist
 
     def prob_of(self, token: int) -> float:
@@ -144,7 +144,7 @@ def _tie_closed_top(values: np.ndarray, n: int) -> np.ndarray:
 
 _TOP_WINDOW = 8.0
 """First width below the largest logit that `_top_candidates` searches; on SmolLM2 the 256th largest logit lies 4.5-12.4
-below the largest (median 8.3, 64 sampled steps), so one or two widths usually settle it."""
+below the largest (median 8.3, 64 sampled steps), so one to three widths settle it."""
 
 
 def _top_candidates(x: np.ndarray, top: float, n: int) -> np.ndarray:
