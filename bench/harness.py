@@ -247,6 +247,11 @@ def build_configs(
     configs = lookup_configs("", ngram_url, ngram_ks, not args.no_adaptive, args.long_match)
     service_name = f"ngram-service k={max(ks)}"
     configs.append(Config(service_name, "tandem", service_url, max(ks), "target-only", "ngram"))
+    if not args.no_adaptive:  # what `make run` serves: the n-gram draft service, adaptive k up to 32
+        top = max(ngram_ks)
+        configs.append(
+            Config(f"ngram-service adaptive<={top}", "tandem", service_url, top, "target-only", "ngram", True)
+        )
     if one_token_url:
         configs += one_token_configs("", one_token_url, ngram_ks, not args.no_adaptive)
     if every_round_url:

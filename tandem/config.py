@@ -302,6 +302,18 @@ class GatewaySettings(BaseSettings):
         " trip of its own (two idle gaps at the target, ~3 ms a round on the 2-core CPU); used when the target's Info"
         " declares prompt_lookup",
     )
+    check_first_draft: Literal["auto", "always", "never"] = Field(
+        "never",
+        description="an n-gram draft service: check a round's first draft with a one-token step sent with the"
+        " Propose and verify the rest behind it only if it held; saves verifying drafts that fail at once, at the cost"
+        " of the first draft's place in a batched step and a message. auto: where the measured step costs and the"
+        " request's acceptance say it pays (a second token in a step costing about as much as the first, as on CPUs;"
+        " never on a GPU); always: every round. Not for seeded sampled requests with a fixed k (their random stream"
+        " would change). On the 2-core CPU, auto made the service at a fixed k = 8 1.14-1.20x of target-only on json"
+        " instead of 0.89-0.91x and 0.94-0.95x on chat instead of 0.87-0.91x, while with adaptive k it lost on three"
+        " workloads (docs/benchmarks/cpu-2026-12-05-checked-rounds); off by default. The text at temperature 0 can"
+        " then follow the load (the step's shape flips near-ties)",
+    )
     colocate: bool = Field(
         False,
         description="load the target (and, unless --draft is empty, the draft) into the gateway's own process and call"

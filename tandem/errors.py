@@ -30,7 +30,8 @@ class PositionMismatch(TandemError):
 
 
 class ConditionNotMet(TandemError):
-    """A conditional call's condition did not hold (VerifyItem.unless_pending_in, stop_at_repeat): nothing changed."""
+    """A conditional call's condition did not hold (VerifyItem.unless_pending_in, if_pending, stop_at_repeat): nothing
+    changed."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
 

@@ -421,11 +421,52 @@ def exact_ngram_service_gateways(
 ) -> Iterator[tuple[Service, Service]]:
     """The n-gram draft service behind two gateways: stretches of target-only calls between its drafts (a second's
     worth of steps a call), and one call in flight at a time with a Propose every round (no stretches)."""
-    burst = start_gateway(exact_target.address, ngram_draft.address, service_tmp, "--plain-burst-ms", "1000")
-    serial = start_gateway(exact_target.address, ngram_draft.address, service_tmp, "--plain-pipeline", "1")
+    never = ("--check-first-draft", "never")  # whole rounds: a checked round's steps follow the measured costs
+    burst = start_gateway(exact_target.address, ngram_draft.address, service_tmp, "--plain-burst-ms", "1000", *never)
+    serial = start_gateway(exact_target.address, ngram_draft.address, service_tmp, "--plain-pipeline", "1", *never)
     yield burst, serial
     burst.stop()
     serial.stop()
+
+
+@pytest.fixture(scope="module")
+def exact_checking_gateway(exact_target: Service, ngram_draft: Service, service_tmp: Path) -> Iterator[Service]:
+    """The n-gram draft service with every round's first draft checked by a one-token step of its own."""
+    service = start_gateway(
+        exact_target.address,
+        ngram_draft.address,
+        service_tmp,
+        "--plain-burst-ms",
+        "1000",
+        "--check-first-draft",
+        "always",
+    )
+    yield service
+    service.stop()
+
+
+@pytest.mark.parametrize("sampling", GREEDY_AND_SEEDED, ids=["greedy", "sampled"])
+def test_rounds_that_check_their_first_draft_change_nothing(
+    exact_checking_gateway: Service, exact_ngram_service_gateways: tuple[Service, Service], sampling: dict
+) -> None:
+    """A checked round (a one-token step sent with the Propose, the rest of the draft queued behind it on the condition
+    that the step emitted the first draft) emits what the whole round would have: the same text, drafts, acceptance
+    and rounds. Seeded sampled requests with a fixed k never check (a check draws from the random stream
+    differently), so there the texts are equal because nothing changed; unseeded requests cannot be compared."""
+    whole_gateway, _ = exact_ngram_service_gateways
+    checked_rounds = failed_checks = 0
+    for prompt in (PROMPTS[2], PROMPTS[9]):  # free prose (drafts often wrong at once), rewriting a function
+        checked = _chat(exact_checking_gateway, prompt, n_max=8, **sampling)
+        whole = _chat(whole_gateway, prompt, n_max=8, **sampling)
+        _assert_same_generation(checked, whole, ("draft_n", "draft_n_accepted", "predicted_n", "rounds"))
+        assert checked["timings"]["draft_n"] > 0 and whole["timings"]["checked_rounds"] == 0
+        checked_rounds += checked["timings"]["checked_rounds"]
+        # A check that failed skipped the rest of its draft: fewer target steps than the whole rounds took.
+        failed_checks += checked["timings"]["verify_steps"] != whole["timings"]["verify_steps"]
+    if sampling:
+        assert checked_rounds == 0
+    else:
+        assert checked_rounds > 0 and failed_checks > 0
 
 
 @pytest.mark.parametrize("sampling", GREEDY_AND_SEEDED, ids=["greedy", "sampled"])

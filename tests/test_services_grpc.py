@@ -210,6 +210,46 @@ def test_conditional_verify_runs_only_if_the_pending_token_is_not_listed(target_
     stub.Close(pb.CloseRequest(session_ids=[sid, plain_sid]))
 
 
+def test_verify_behind_a_check_runs_only_after_the_named_token(target_channel: grpc.Channel) -> None:
+    """if_pending (the rest of a draft queued behind a one-token check of its first token): sent while the check is
+    still in flight, it runs after it, and only if the check emitted the named token; otherwise FAILED_PRECONDITION
+    with the session left where the check put it."""
+    stub = pb_grpc.TargetStub(target_channel)
+    prompt = _prompt(stub)
+    plain_sid = _sid()
+    opened = stub.Open(
+        pb.OpenRequest(items=[pb.OpenItem(session_id=plain_sid, prompt_token_ids=prompt, sampling=GREEDY)])
+    )
+    pos = opened.results[0].position
+    reference = [opened.results[0].first_token.id]
+    for step in range(3):
+        got = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=plain_sid, position=pos + step)]))
+        reference.append(got.results[0].tokens[0].id)
+    for right in (True, False):
+        sid = _sid()
+        stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)]))
+        named = reference[1] if right else reference[1] + 1
+        check = stub.Verify.future(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos)]))
+        rest = stub.Verify.future(
+            pb.VerifyRequest(
+                items=[
+                    pb.VerifyItem(session_id=sid, position=pos + 1, draft_token_ids=[reference[2]], if_pending=named)
+                ]
+            )
+        )
+        assert check.result().results[0].tokens[0].id == reference[1]
+        if right:
+            ran = rest.result().results[0]
+            assert ran.num_accepted == 1 and [t.id for t in ran.tokens] == reference[2:4]
+            assert ran.position == pos + 3
+        else:
+            assert _code(rest.result) == grpc.StatusCode.FAILED_PRECONDITION
+            after = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos + 1)]))
+            assert after.results[0].tokens[0].id == reference[2]  # nothing moved: it goes on from the check
+        stub.Close(pb.CloseRequest(session_ids=[sid]))
+    stub.Close(pb.CloseRequest(session_ids=[plain_sid]))
+
+
 def test_bad_calls_get_status_codes(target_channel: grpc.Channel) -> None:
     stub = pb_grpc.TargetStub(target_channel)
     unknown = pb.VerifyRequest(items=[pb.VerifyItem(session_id="nope", position=1)])

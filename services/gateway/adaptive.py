@@ -347,6 +347,32 @@ def worth_following_up(tracker: AcceptanceTracker) -> bool:
     return 1.0 - tracker.rate(0) >= FOLLOW_UP_MIN_MISS
 
 
+def worth_checking_first(tracker: AcceptanceTracker, costs: CostModel, k: int) -> bool:
+    """Whether a round of k drafts from a model-free draft service goes faster with its first draft checked on its own
+    (see Generation._checked_round): a one-token target step sent with the Propose, the other k - 1 drafts verified
+    behind it only if that step emitted the first draft. Both emit the same tokens in expectation (the check's token
+    is the round's first either way, and the rest verifies with its own bonus token); they differ in target time:
+
+        checked: step(1) + a0 * step(k)     whole: step(k + 1)
+
+    with a0 the first draft's acceptance and step(n) a lone step of n tokens. Where a second token costs about as
+    much as the first (the 2-core CPU: 1, 2, then ~+0.5 a token), a check costs ~0.4 of a step more when the first
+    draft holds and saves nearly the whole verification when it fails: it pays below a0 ~0.85 at k = 8. Where a
+    step of k + 1 tokens costs what a one-token step does (a GPU), it never pays. Sessions sharing steps are priced
+    by the line, not lone steps: no check then.
+
+    The Propose's round trip, which the check hides behind its step, is not credited: on two cores the step and the
+    Propose slow each other down, and with it credited the copied text of code edits (a0 ~0.97) was checked too and
+    ran 1% slower (docs/benchmarks/cpu-2026-12-05-checked-rounds).
+    """
+    if k < 1 or costs.sequences >= 1.5:
+        return False
+    one, rest, whole = costs.lone_step_ns(1), costs.lone_step_ns(k), costs.lone_step_ns(k + 1)
+    if one is None or rest is None or whole is None:
+        return False
+    return one + tracker.rate(0) * rest < whole
+
+
 PRIOR_MISS = 0.125  # prior: a position continuing an n-token match is rejected with probability PRIOR_MISS / n
 
 

@@ -154,6 +154,7 @@ class Serving:
             self.settings.local_ngram_max,
             self.settings.plain_burst_ms,
             self.settings.target_lookup,
+            self.settings.check_first_draft,
         )
 
     async def deltas(self, generation: Generation, stop: Sequence[str]) -> AsyncIterator[Delta]:

@@ -29,6 +29,7 @@ from services.gateway.adaptive import (
     CostModel,
     DraftLengthPolicy,
     MatchLengthPolicy,
+    worth_checking_first,
     worth_drafting_ahead,
     worth_following_up,
 )
@@ -79,6 +80,7 @@ class GenerationStats:
     follow_ups: int = 0  # target-only calls sent ahead with a lookup round (see _follow_up)
     follow_ups_used: int = 0  # ... that the round's outcome let run: each saved the target a round trip idle
     target_rounds: int = 0  # rounds the target drafted inside target-only calls with the gateway's rule
+    checked_rounds: int = 0  # rounds whose first draft a one-token step checked on its own (see _checked_round)
     draft_n: int = 0
     draft_n_accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -137,6 +139,7 @@ class GenerationStats:
             "follow_ups": self.follow_ups,
             "follow_ups_used": self.follow_ups_used,
             "target_rounds": self.target_rounds,
+            "checked_rounds": self.checked_rounds,
             "draft_compute_ms": round(self.draft_forward_ns / 1e6, 3),
             "verify_compute_ms": round(self.verify_forward_ns / 1e6, 3),
             "draft_rpc_ms": round(self.draft_ns / 1e6, 3),
@@ -148,6 +151,12 @@ class GenerationStats:
         }
 
 
+def _retrieve(call: asyncio.Future) -> None:
+    """Done callback of a call nobody awaits any more: read its outcome so that asyncio does not log it."""
+    if not call.cancelled():
+        call.exception()
+
+
 def _traced(span: trace.Span) -> dict[str, dict[str, str]]:
     """The trace_context field of a request, or nothing when tracing is off: filling a protobuf map, even from an
     empty dict, goes through MutableMapping.update and its ABC checks, twice a round."""
@@ -157,7 +166,8 @@ def _traced(span: trace.Span) -> dict[str, dict[str, str]]:
 
 @dataclass
 class _FollowUp:
-    """A target-only call sent ahead with a lookup round (see Generation._follow_up)."""
+    """A call sent ahead that the target may skip: a lookup round's follow-up (see Generation._follow_up), or the rest
+    of a checked round's draft (Generation._checked_round)."""
 
     call: asyncio.Future
     steps: int
@@ -194,6 +204,7 @@ class Generation:
         ngram_max: int = NGRAM_MAX,
         plain_burst_ms: float = PLAIN_BURST_MS,
         target_lookup: bool = True,
+        check_first_draft: str = "never",
     ) -> None:
         self.up = upstreams
         self.plain_pipeline = plain_pipeline
@@ -232,6 +243,13 @@ class Generation:
             and request.n_max > 0
         )
         self._ngram_max = ngram_max
+        # A draft service's rounds may check their first draft with a one-token step sent with the Propose (see
+        # _checked_round): `--check-first-draft`, off by default. Never for seeded sampled requests with a fixed k: a
+        # check draws from the target's random stream differently from a whole round, and a choice that follows
+        # timings would make one seed give different texts (the reason such requests keep a fixed k).
+        seeded = request.sampling.seed is not None and not request.sampling.greedy
+        usable = self._service_repeat > 0 and (request.adaptive or not seeded)
+        self._check_first = check_first_draft if usable else "never"
         self._finished = False  # set by _lookup_stretch when the generation ended inside it
         self._repeats = RepeatWatches()  # where the lookup could draft again (see _lookup_stretch)
         self._draft_open = False
@@ -380,6 +398,12 @@ class Generation:
                 k = self._choose_k()
                 if self.policy is not None and self.policy.futile:
                     self._stop_drafting()
+                    continue
+                if self._checks_first(k):
+                    async for token in self._checked_round(k):
+                        yield token
+                    if self._finished:
+                        return
                     continue
                 round_span = self._child("round")
                 round_start = time.perf_counter_ns()
@@ -842,6 +866,105 @@ class Generation:
         self._last = now
         return token.is_eog or self._produced >= self.req.max_tokens
 
+    def _checks_first(self, k: int) -> bool:
+        """Whether this round goes as a `_checked_round`: an n-gram draft service will be asked (no lookahead left,
+        and the sequence ends with a repeat it drafts behind) and the cost model prefers it (`worth_checking_first`)."""
+        return (
+            self._check_first != "never"
+            and self._use_draft
+            and k > 0
+            and not self._lookahead
+            and self._ends_with_repeat(self._service_repeat)
+            and (self._check_first == "always" or worth_checking_first(self.acceptance, self.costs, k))
+        )
+
+    async def _checked_round(self, k: int) -> AsyncIterator[pb.Token]:
+        """A round of an n-gram draft service whose first draft is checked by a one-token step of its own.
+
+        The step goes out with the Propose, so the target computes the round's first token while the service looks
+        the suffix up (its round trip hidden behind the step). The Propose comes back first: the other k - 1 drafts
+        go out at once as a Verify named after the first draft (`if_pending`), which the target queues behind the
+        step and runs only if the step emitted that token; otherwise it refuses it (nothing changed) and the round
+        ends with the step's token, which is what a whole round would have emitted after rejecting its first draft,
+        without verifying the k - 1 drafts behind it. Lossless as a whole round is: the step's token is the target's
+        own, and the rest verifies by the usual rule. The draft's tokens past k are kept as the lookahead.
+
+        Sets `_finished` when the generation ends here. The round is counted as a whole round: its drafts, and the
+        accepted ones (0 after a failed check, else 1 plus what the rest accepted)."""
+        self.stats.checked_rounds += 1
+        round_span = self._child("round")
+        round_start = time.perf_counter_ns()
+        position = self._target_pos
+        check = asyncio.ensure_future(self._verify([], [], round_span, position=position))
+        rest: _FollowUp | None = None
+        first: int | None = None
+        rest_drafts: list[int] = []
+        draft_compute = proposed = 0
+        try:
+            try:
+                reply = await self._propose_rpc([], 2 * k + 1, round_span)
+                if reply is not None:
+                    drafts = list(reply.proposals[0].token_ids)
+                    draft_compute, proposed = reply.timing.forward_ns, len(drafts)
+                    if len(drafts) >= max(self.req.n_min, 1):
+                        first, rest_drafts, self._lookahead = drafts[0], drafts[1:k], drafts[k:]
+                        call = self._verify(
+                            rest_drafts, [], round_span, position=position + 1, timed=False, if_pending=first
+                        )
+                        rest = _FollowUp(asyncio.ensure_future(call), 0, 0, trace.INVALID_SPAN, position + 1)
+                result, timing = await check
+            except BaseException:
+                check.cancel()
+                check.add_done_callback(_retrieve)
+                if rest is not None:
+                    rest.drop()
+                raise
+            self._target_pos = result.position
+            self.costs.observe_verify(timing.step_tokens, timing.step_sequences, timing.forward_ns)
+            verify_compute = timing.forward_ns
+            token = result.tokens[0]
+            matched = first is not None and token.id == first
+            # Counted as the whole round would count it: k drafted, accepted up to the first rejection.
+            drafted, accepted = (1 + len(rest_drafts), 0) if first is not None else (0, 0)
+            tokens = [token]
+            if rest is not None and matched and not token.is_eog and self._produced + 1 < self.req.max_tokens:
+                checked_at = time.perf_counter_ns()
+                live, rest = rest, None
+                try:
+                    rest_result, rest_timing = await live.call
+                finally:
+                    self.stats.verify_ns += time.perf_counter_ns() - checked_at
+                self.stats.verify_service_ns += rest_timing.total_ns
+                self._target_pos = rest_result.position
+                self.costs.observe_verify(rest_timing.step_tokens, rest_timing.step_sequences, rest_timing.forward_ns)
+                verify_compute += rest_timing.forward_ns
+                accepted = 1 + rest_result.num_accepted
+                self._keep_lookahead(rest_drafts, rest_result)
+                tokens += rest_result.tokens
+            else:
+                self._lookahead = []
+            if drafted:
+                self.stats.observe_round(drafted, accepted)
+                self.acceptance.observe(drafted, accepted)
+            if proposed:
+                self.costs.observe_draft(proposed, draft_compute)
+            round_ns = time.perf_counter_ns() - round_start
+            self.costs.observe_overhead(max(round_ns - verify_compute - draft_compute, 0))
+            if self.metrics:
+                self.metrics.observe_round(drafted, accepted, round_ns, draft_compute + verify_compute)
+        finally:
+            round_span.end()
+        try:
+            for token in tokens:
+                if self._emitted(token):
+                    self._finished = True
+                    yield token
+                    return
+                yield token
+        finally:
+            if rest is not None:
+                rest.drop()  # refused by the target (the step emitted another token), or nobody reads it
+
     async def _propose(self, k: int, round_span: trace.Span) -> tuple[list[int], list, int, int]:
         """Up to k draft tokens (and their distributions): from the n-gram lookahead when it still holds, else
         from the draft service. Returns (tokens, distributions, draft compute ns, tokens the service proposed)."""
@@ -966,6 +1089,7 @@ class Generation:
         steps: int = 1,
         stop_at_repeat: int = 0,
         lookup: pb.LookupRule | None = None,
+        if_pending: int | None = None,
     ) -> tuple[pb.VerifyResult, pb.Timing]:
         v0 = time.perf_counter_ns()
         span = self._child("verify", round_span)
@@ -982,6 +1106,7 @@ class Generation:
                             plain_steps=steps if steps > 1 else 0,
                             stop_at_repeat=stop_at_repeat,
                             lookup=lookup,
+                            **({"if_pending": if_pending} if if_pending is not None else {}),
                         )
                     ],
                     **_traced(span),

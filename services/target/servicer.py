@@ -229,6 +229,7 @@ class TargetServicer(pb_grpc.TargetServicer):
                 item.bonus_guess if item.HasField("bonus_guess") else None,
                 frozenset(item.unless_pending_in),
                 stop_at_repeat=item.stop_at_repeat,
+                if_pending=item.if_pending if item.HasField("if_pending") else None,
             )
             for item in request.items
         ]

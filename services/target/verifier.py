@@ -101,6 +101,7 @@ class VerifySpec:
     draft_dists: Sequence[SparseDist] | None  # None: deterministic draft (greedy model or n-gram)
     bonus_guess: int | None = None  # overlapped drafting: the draft's guess for the target's own token
     unless_pending_in: frozenset[int] = frozenset()  # pipelined plain rounds: skip if the pending token is one of these
+    if_pending: int | None = None  # the rest of a draft behind its first token's check: skip unless that is pending
     chain: PlainChain | None = None  # one step of a multi-token plain call
     stop_at_repeat: int = 0  # plain calls: skip if the sequence already ends with a repeat of this many tokens
     lookup_match: int = 0  # a chain step whose drafts the caller's lookup rule chose: the match behind them
@@ -304,6 +305,10 @@ class Verifier:
                 if spec.unless_pending_in and session.tokens[-1] in spec.unless_pending_in:
                     raise ConditionNotMet(
                         f"session {session.session_id}: pending token {session.tokens[-1]} is in unless_pending_in"
+                    )
+                if spec.if_pending is not None and session.tokens[-1] != spec.if_pending:
+                    raise ConditionNotMet(
+                        f"session {session.session_id}: pending token {session.tokens[-1]} is not {spec.if_pending}"
                     )
                 if spec.stop_at_repeat:
                     if spec.draft_tokens:
