@@ -152,7 +152,7 @@ def test_drafter_open_and_propose() -> None:
     session = make_session([5, 6, 7, 5, 6])
     drafter.open([session])
     assert isinstance(session.extra, NgramIndex)
-    assert drafter.propose(session, 2) == Draft([7, 5], None)
+    assert drafter.propose(session, 2) == Draft([7, 5], None, match_len=2)  # behind the repeated (5, 6)
 
 
 @pytest.mark.parametrize("max_tokens", [0, -1])
@@ -320,7 +320,16 @@ def test_ngram_drafter_proposes_exactly_behind_the_repeat_it_declares(
     for end in range(2, len(tokens) + 1):
         session.tokens.append(tokens[end - 1])
         drafter.appended(session, end - 1)
-        proposed = bool(drafter.propose(session, 8).tokens)
+        draft = drafter.propose(session, 8)
+        proposed = bool(draft.tokens)
         assert proposed == watch.ends_with_repeat(session.tokens), end
+        # Its confidence: the suffix of match_len tokens occurred before, followed by the first proposed token, and
+        # with the confidence rule it drafts at most match_len - 1 tokens.
+        m = draft.match_len
+        assert (m >= declared) if proposed else (m == 0)
+        if proposed:
+            seq = session.tokens
+            assert any(seq[i : i + m] == seq[end - m : end] and seq[i + m] == draft.tokens[0] for i in range(end - m))
+            assert not scaled or len(draft.tokens) <= m - 1
         outcomes.add(proposed)
     assert outcomes == {True, False}

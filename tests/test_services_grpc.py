@@ -71,10 +71,17 @@ def test_ngram_draft_declares_the_repeat_it_needs_and_proposes_only_behind_one(
         for end in range(2, len(tokens) + 1):
             new = tokens[end - 1 : end]
             item = pb.ProposeItem(session_id=sid, position=end - 1, append_token_ids=new, max_tokens=8)
-            proposed = bool(stub.Propose(pb.ProposeRequest(items=[item])).proposals[0].token_ids)
+            proposal = stub.Propose(pb.ProposeRequest(items=[item])).proposals[0]
+            proposed = bool(proposal.token_ids)
             seen = {tuple(tokens[i : i + 2]) for i in range(end - 2)}  # 2-grams followed by a token
             assert proposed == (tuple(tokens[end - 2 : end]) in seen), end
             proposing.append(proposed)
+            # Its confidence: the suffix of match_len tokens occurred before, followed by the first proposed token.
+            m = proposal.match_len
+            assert (m >= 2) if proposed else (m == 0)
+            if proposed:
+                suffix, first = tokens[end - m : end], proposal.token_ids[0]
+                assert any(tokens[i : i + m] == suffix and tokens[i + m] == first for i in range(end - m)), end
         stub.Close(pb.CloseRequest(session_ids=[sid]))
     assert any(proposing) and not all(proposing)
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from tandem import sampling
 from tandem.engine import DecodeItem, Engine
-from tandem.ngram import NgramIndex, ngram_draft
+from tandem.ngram import NgramIndex, ngram_draft_matched
 from tandem.sampling import SparseDist
 from tandem.sessions import Session
 
@@ -30,6 +30,7 @@ SINGLE_STEP_CATCH_UP = 4
 class Draft:
     tokens: list[int]
     dists: list[SparseDist] | None  # None: deterministic proposal
+    match_len: int = 0  # n-gram drafters: the suffix match the proposal continues (Proposal.match_len)
 
 
 class Drafter(ABC):
@@ -96,7 +97,8 @@ class NgramDrafter(Drafter):
         session.extra.extend(session.tokens)
 
     def propose(self, session: Session, max_tokens: int) -> Draft:
-        return Draft(ngram_draft(session.extra, session.tokens, max_tokens, self.scaled), None)
+        tokens, match_len = ngram_draft_matched(session.extra, session.tokens, max_tokens, self.scaled)
+        return Draft(tokens, None, match_len if tokens else 0)
 
 
 class ModelDrafter(Drafter):

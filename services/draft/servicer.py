@@ -110,6 +110,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                     position=r.position,
                     token_ids=r.draft.tokens,
                     distributions=[dist_to_pb(d) for d in r.draft.dists or ()],
+                    match_len=r.draft.match_len,
                 )
                 for r in results
             ],

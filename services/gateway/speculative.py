@@ -258,6 +258,7 @@ class Generation:
         self._target_pos = self._draft_pos = self._produced = 0
         self._unsent: list[int] = []
         self._lookahead: list[int] = []
+        self._lookahead_match = 0  # the suffix match behind the lookahead's first token (Proposal.match_len)
         self._t1 = self._last = 0
         self._plain_done: int | None = None  # when the last pipelined plain call answered (None: none queued behind)
         self.costs = costs if costs is not None else CostModel()
@@ -272,7 +273,9 @@ class Generation:
         # Adaptive k: prompt lookup in this process knows the match behind each draft, and keeps what pays of it;
         # other drafters are told k in advance, from the cost curve and the acceptance by position.
         self.match_policy = (
-            MatchLengthPolicy(self.costs, request.n_min) if request.adaptive and self._local is not None else None
+            MatchLengthPolicy(self.costs, request.n_min)
+            if request.adaptive and (self._local is not None or self._service_repeat > 0)
+            else None
         )
         self.policy = (
             # Overlapped, the draft's time hides behind verification, so its cost alone cannot rule drafting out; a
@@ -797,9 +800,11 @@ class Generation:
         lo = max(self.req.n_min, 1)
         if cap < lo:
             return 0
-        if self._local is None:
+        if self._local is None and self.match_policy is None:
             return self._service_repeat  # the service's own rule; shorter matches never draft there
-        for m in range(max(self.req.ngram_min, lo + 1), MATCH_CAP + 1):
+        # The shortest match the lookup drafts behind (a draft service: its own rule), raised to what the policy keeps.
+        shortest = self.req.ngram_min if self._local is not None else self._service_repeat
+        for m in range(max(shortest, lo + 1), MATCH_CAP + 1):
             if self._keeps(m, min(cap, m - 1)):
                 return m
         return 0
@@ -904,10 +909,11 @@ class Generation:
             try:
                 reply = await self._propose_rpc([], 2 * k + 1, round_span)
                 if reply is not None:
-                    drafts = list(reply.proposals[0].token_ids)
-                    draft_compute, proposed = reply.timing.forward_ns, len(drafts)
+                    proposal = reply.proposals[0]
+                    draft_compute, proposed = reply.timing.forward_ns, len(proposal.token_ids)
+                    drafts = self._take_proposal(list(proposal.token_ids), proposal.match_len, k)
                     if len(drafts) >= max(self.req.n_min, 1):
-                        first, rest_drafts, self._lookahead = drafts[0], drafts[1:k], drafts[k:]
+                        first, rest_drafts = drafts[0], drafts[1:]
                         call = self._verify(
                             rest_drafts, [], round_span, position=position + 1, timed=False, if_pending=first
                         )
@@ -946,6 +952,8 @@ class Generation:
             if drafted:
                 self.stats.observe_round(drafted, accepted)
                 self.acceptance.observe(drafted, accepted)
+            if self.match_policy is not None:
+                self.match_policy.observe(drafted, accepted)
             if proposed:
                 self.costs.observe_draft(proposed, draft_compute)
             round_ns = time.perf_counter_ns() - round_start
@@ -983,10 +991,12 @@ class Generation:
             self.stats.draft_ns += time.perf_counter_ns() - d0
             return (drafts, [], 0, 0) if len(drafts) >= max(self.req.n_min, 1) else ([], [], 0, 0)
         if self._lookahead:
-            drafts, self._lookahead = self._lookahead[:k], self._lookahead[k:]
+            drafts = self._take_proposal(self._lookahead, self._lookahead_match, k)
             if len(drafts) >= max(self.req.n_min, 1):
                 self.stats.lookahead_rounds += 1
                 return drafts, [], 0, 0
+            if self.match_policy is not None and not drafts:
+                return [], [], 0, 0  # the policy would not draft behind this match: no round trip to learn that again
             self._lookahead = []  # too short to verify: ask the service, which may find a longer continuation
         if self._ahead is not None:  # drafted during the last verification, and still valid
             tokens, dists = self._ahead
@@ -1003,17 +1013,19 @@ class Generation:
         dists: list = []
         compute = 0
         reply = await self._propose_rpc([], ask, round_span)
+        match_len = 0
         if reply is not None:
             proposal = reply.proposals[0]
             drafts = list(proposal.token_ids)
             dists = list(proposal.distributions)
             compute = reply.timing.forward_ns
+            match_len = proposal.match_len
         proposed = len(drafts)
         if guessing and len(drafts) > k:
             self._guess = drafts[k]
             drafts, dists = drafts[:k], dists[:k]
-        elif len(drafts) > k:
-            drafts, self._lookahead = drafts[:k], drafts[k:]
+        elif self._model_free_draft:
+            drafts = self._take_proposal(drafts, match_len, k)
         if len(drafts) < max(self.req.n_min, 1):
             self._lookahead = []  # it continues the drafts dropped here, not the sequence
             return [], [], compute, proposed
@@ -1071,10 +1083,23 @@ class Generation:
         self._unsent = []  # of this round's emitted tokens, the draft lacks only those not counted in _draft_has
         return reply.timing.forward_ns
 
+    def _take_proposal(self, proposal: list[int], match_len: int, k: int) -> list[int]:
+        """This round's drafts out of a model-free service's proposal (or the lookahead left of one), continuing a
+        `match_len`-token match: up to k, and with adaptive k what the match policy keeps (0: not worth a round); the
+        rest stays as the lookahead, to draft from without a Propose if the round is accepted whole."""
+        n = min(k, len(proposal))
+        if self.match_policy is not None:
+            n = self.match_policy.choose(match_len, n)
+            self.stats.k_chosen += n
+            self.stats.k_rounds += 1
+        self._lookahead, self._lookahead_match = proposal[n:], match_len + n
+        return proposal[:n]
+
     def _keep_lookahead(self, drafts: list[int], result: pb.VerifyResult) -> None:
         """The lookahead stays valid only if every draft was accepted and the target's own token is its next one."""
         if self._lookahead and result.num_accepted == len(drafts) and result.tokens[-1].id == self._lookahead[0]:
             self._lookahead = self._lookahead[1:]
+            self._lookahead_match += 1
         else:
             self._lookahead = []
 
