@@ -310,9 +310,9 @@ class GatewaySettings(BaseSettings):
         " request's acceptance say it pays (a second token in a step costing about as much as the first, as on CPUs;"
         " never on a GPU); always: every round. Not for seeded sampled requests with a fixed k (their random stream"
         " would change). On the 2-core CPU, auto made the service at a fixed k = 8 1.14-1.20x of target-only on json"
-        " instead of 0.89-0.91x and 0.94-0.95x on chat instead of 0.87-0.91x, while with adaptive k it lost on three"
-        " workloads (docs/benchmarks/cpu-2026-12-05-checked-rounds); off by default. The text at temperature 0 can"
-        " then follow the load (the step's shape flips near-ties)",
+        " instead of 0.89-0.91x and 0.94-0.95x on chat instead of 0.87-0.91x, while with adaptive k it lost on up to"
+        " three workloads (docs/benchmarks/cpu-2026-12-05-checked-rounds); off by default. The text at temperature 0"
+        " can then follow the load (the step's shape flips near-ties)",
     )
     colocate: bool = Field(
         False,

@@ -896,7 +896,6 @@ class Generation:
 
         Sets `_finished` when the generation ends here. The round is counted as a whole round: its drafts, and the
         accepted ones (0 after a failed check, else 1 plus what the rest accepted)."""
-        self.stats.checked_rounds += 1
         round_span = self._child("round")
         round_start = time.perf_counter_ns()
         position = self._target_pos
@@ -914,6 +913,7 @@ class Generation:
                     drafts = self._take_proposal(list(proposal.token_ids), proposal.match_len, k)
                     if len(drafts) >= max(self.req.n_min, 1):
                         first, rest_drafts = drafts[0], drafts[1:]
+                        self.stats.checked_rounds += 1
                         call = self._verify(
                             rest_drafts, [], round_span, position=position + 1, timed=False, if_pending=first
                         )
