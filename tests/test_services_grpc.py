@@ -218,9 +218,9 @@ def test_conditional_verify_runs_only_if_the_pending_token_is_not_listed(target_
 
 
 def test_verify_behind_a_check_runs_only_after_the_named_token(target_channel: grpc.Channel) -> None:
-    """if_pending (the rest of a draft queued behind a one-token check of its first token): sent while the check is
-    still in flight, it runs after it, and only if the check emitted the named token; otherwise FAILED_PRECONDITION
-    with the session left where the check put it."""
+    """if_pending (the rest of a draft queued behind a one-token check of its first token): sent on the stream right
+    behind the check, as the gateway sends it, it runs after it, and only if the check emitted the named token;
+    otherwise FAILED_PRECONDITION naming the condition, with the session left where the check put it."""
     stub = pb_grpc.TargetStub(target_channel)
     prompt = _prompt(stub)
     plain_sid = _sid()
@@ -236,21 +236,22 @@ def test_verify_behind_a_check_runs_only_after_the_named_token(target_channel: g
         sid = _sid()
         stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)]))
         named = reference[1] if right else reference[1] + 1
-        check = stub.Verify.future(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos)]))
-        rest = stub.Verify.future(
-            pb.VerifyRequest(
-                items=[
-                    pb.VerifyItem(session_id=sid, position=pos + 1, draft_token_ids=[reference[2]], if_pending=named)
-                ]
-            )
-        )
-        assert check.result().results[0].tokens[0].id == reference[1]
+        rest = pb.VerifyItem(session_id=sid, position=pos + 1, draft_token_ids=[reference[2]], if_pending=named)
+        requests = [
+            pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos)], request_id=1),
+            pb.VerifyRequest(items=[rest], request_id=2),
+        ]
+        by_id = {r.request_id: r for r in stub.VerifyStream(iter(requests))}
+        check, behind = by_id[1], by_id[2]
+        assert not check.HasField("error") and check.results[0].tokens[0].id == reference[1]
         if right:
-            ran = rest.result().results[0]
+            assert not behind.HasField("error")
+            ran = behind.results[0]
             assert ran.num_accepted == 1 and [t.id for t in ran.tokens] == reference[2:4]
             assert ran.position == pos + 3
         else:
-            assert _code(rest.result) == grpc.StatusCode.FAILED_PRECONDITION
+            assert behind.error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+            assert f"is not {named}" in behind.error.message  # refused for the token, not for the position
             after = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos + 1)]))
             assert after.results[0].tokens[0].id == reference[2]  # nothing moved: it goes on from the check
         stub.Close(pb.CloseRequest(session_ids=[sid]))

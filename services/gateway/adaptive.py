@@ -356,12 +356,15 @@ def worth_checking_first(tracker: AcceptanceTracker, costs: CostModel, k: int) -
         checked: step(1) + a0 * step(k)     whole: step(k + 1)
 
     with a0 the first draft's acceptance and step(n) a lone step of n tokens. Where a second token costs about as
-    much as the first (the 2-core CPU: 1, 2, then ~+0.5 a token), a check costs ~0.4 of a step more when the first
-    draft holds and saves nearly the whole verification when it fails: it pays below a0 ~0.85 at k = 8. Where a
+    much as the first (the 2-core CPU: 1, 2, then ~+0.5 a token), a check costs ~0.5 of a step more when the first
+    draft holds and saves nearly the whole verification when it fails: it pays below a0 ~0.9 at k = 8. Where a
     step of k + 1 tokens costs what a one-token step does (a GPU), it never pays. Sessions sharing steps are priced
     by the line, not lone steps: no check then.
 
-    The Propose's round trip, which the check hides behind its step, is not credited: on two cores the step and the
+    k is the round's draft length as asked; a proposal can be shorter (the n-gram service drafts at most m - 1
+    tokens behind an m-token match, the match policy may keep less), and a check then pays less than priced: one
+    reason the adaptive rows lost with it. The Propose's round trip, which the check hides behind its step, is not
+    credited: on two cores the step and the
     Propose slow each other down, and with it credited the copied text of code edits (a0 ~0.97) was checked too and
     ran 1% slower (docs/benchmarks/cpu-2026-12-05-checked-rounds).
     """

@@ -157,6 +157,14 @@ def _retrieve(call: asyncio.Future) -> None:
         call.exception()
 
 
+def _answered_otherwise(check: asyncio.Future, first: int) -> bool:
+    """A checked round's step is back already with a token other than the draft's first: the rest would be refused."""
+    if not check.done() or check.cancelled() or check.exception() is not None:
+        return False
+    result, _ = check.result()
+    return result.tokens[0].id != first
+
+
 def _traced(span: trace.Span) -> dict[str, dict[str, str]]:
     """The trace_context field of a request, or nothing when tracing is off: filling a protobuf map, even from an
     empty dict, goes through MutableMapping.update and its ABC checks, twice a round."""
@@ -873,13 +881,14 @@ class Generation:
 
     def _checks_first(self, k: int) -> bool:
         """Whether this round goes as a `_checked_round`: an n-gram draft service will be asked (no lookahead left,
-        and the sequence ends with a repeat it drafts behind) and the cost model prefers it (`worth_checking_first`)."""
+        and the sequence ends with a repeat it drafts behind, and with adaptive k one the match policy drafts behind)
+        and the cost model prefers it (`worth_checking_first`)."""
         return (
             self._check_first != "never"
             and self._use_draft
             and k > 0
             and not self._lookahead
-            and self._ends_with_repeat(self._service_repeat)
+            and self._ends_with_repeat(self._repeat_floor())
             and (self._check_first == "always" or worth_checking_first(self.acceptance, self.costs, k))
         )
 
@@ -914,6 +923,7 @@ class Generation:
                     if len(drafts) >= max(self.req.n_min, 1):
                         first, rest_drafts = drafts[0], drafts[1:]
                         self.stats.checked_rounds += 1
+                    if first is not None and not _answered_otherwise(check, first):
                         call = self._verify(
                             rest_drafts, [], round_span, position=position + 1, timed=False, if_pending=first
                         )
@@ -931,7 +941,8 @@ class Generation:
             token = result.tokens[0]
             matched = first is not None and token.id == first
             # Counted as the whole round would count it: k drafted, accepted up to the first rejection.
-            drafted, accepted = (1 + len(rest_drafts), 0) if first is not None else (0, 0)
+            drafted = 1 + len(rest_drafts) if first is not None else 0
+            accepted = 1 if matched else 0  # the rest adds its own below, when it ran
             tokens = [token]
             if rest is not None and matched and not token.is_eog and self._produced + 1 < self.req.max_tokens:
                 checked_at = time.perf_counter_ns()
