@@ -340,11 +340,11 @@ class GatewaySettings(BaseSettings):
     adaptive_k: bool = Field(
         True,
         description="choose each round's draft length in n_min..n_max from the measured cost of verification and"
-        " the request's running acceptance (by match length for the gateway's n-gram drafter, by draft position for"
-        " the others; fewer draft tokens when many requests share a step). On the CPU benchmark it is within 2% of"
-        " the best fixed k on every workload for both drafters and beats the default k on average. Its choices follow"
-        " measured timings, so a temperature-0 request can differ at a near-tie from one run to the next; seeded"
-        " sampled requests keep a fixed k unless they ask for adaptive k",
+        " the request's running acceptance (by match length for n-gram drafters, the gateway's and the draft"
+        " service's; by draft position for a model drafter; fewer draft tokens when many requests share a step). On"
+        " the CPU benchmark it is within 2% of the best fixed k on every workload for both drafters and beats the"
+        " default k on average. Its choices follow measured timings, so a temperature-0 request can differ at a"
+        " near-tie from one run to the next; seeded sampled requests keep a fixed k unless they ask for adaptive k",
     )
     plain_pipeline: int = Field(
         2,

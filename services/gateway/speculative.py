@@ -795,7 +795,7 @@ class Generation:
         self.stats.k_rounds += 1
         if self.match_policy is None:  # count the k the round would have had, as _choose_k does
             cap = max(self.req.max_tokens - self._produced - 1, 0)
-            # The draft-length policy (a draft service with adaptive k) chooses every round, as its probe counters
+            # The draft-length policy (a model draft service with adaptive k) chooses every round, as its probe counters
             # expect; with no repeat behind the sequence, a round it would draft gets an empty proposal anyway.
             self.stats.k_chosen += self.policy.choose(cap) if self.policy is not None else min(self.req.n_max, cap)
 
