@@ -263,24 +263,9 @@ def test_local_ngram_sequential_verify_is_identical(exact_local_gateway: Service
     assert drafted > 0 and accepted > 0
 
 
-def test_local_ngram_adaptive_is_identical(exact_local_gateway: Service) -> None:
-    """The match-length policy only shortens drafts: the text stays the target's, and some round drafts less than
-    the drafter offered (k_chosen below the drafted tokens a fixed k would send is not observable, so: the policy ran
-    every round and sent drafts)."""
-    plain = _chat(exact_local_gateway, PROMPTS[4], n_max=0)
-    spec = _chat(exact_local_gateway, PROMPTS[4], n_max=32, **{"speculative.adaptive": True})
-    assert spec["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
-    assert [t["logprob"] for t in _tokens(spec)] == [t["logprob"] for t in _tokens(plain)]
-    assert spec["timings"]["draft_n"] > 0
-    assert spec["timings"]["draft_length_mean"] is not None  # chosen by the policy, round by round
-    assert spec["timings"]["verify_steps"] < plain["timings"]["verify_steps"]
-
-
-def test_ngram_service_adaptive_is_identical(exact_ngram_service_gateways: tuple[Service, Service]) -> None:
-    """The n-gram draft service sends the match length behind each proposal (Proposal.match_len), and with adaptive
-    k the gateway keeps what its match-length policy keeps, as for its own lookup: the text stays the target's, the
-    policy chose every round, and the drafts saved target steps."""
-    gateway, _ = exact_ngram_service_gateways
+def _assert_adaptive_lookup_keeps_the_text(gateway: Service) -> None:
+    """An adaptive n-gram request against target-only decoding on the exact target: the same text and logprobs,
+    drafts sent, k chosen round by round, and fewer target steps."""
     plain = _chat(gateway, PROMPTS[4], n_max=0)
     spec = _chat(gateway, PROMPTS[4], n_max=32, **{"speculative.adaptive": True})
     assert spec["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
@@ -288,6 +273,20 @@ def test_ngram_service_adaptive_is_identical(exact_ngram_service_gateways: tuple
     assert spec["timings"]["draft_n"] > 0
     assert spec["timings"]["draft_length_mean"] is not None  # chosen by the policy, round by round
     assert spec["timings"]["verify_steps"] < plain["timings"]["verify_steps"]
+
+
+def test_local_ngram_adaptive_is_identical(exact_local_gateway: Service) -> None:
+    """The match-length policy only shortens drafts: the text stays the target's, and some round drafts less than
+    the drafter offered (k_chosen below the drafted tokens a fixed k would send is not observable, so: the policy ran
+    every round and sent drafts)."""
+    _assert_adaptive_lookup_keeps_the_text(exact_local_gateway)
+
+
+def test_ngram_service_adaptive_is_identical(exact_ngram_service_gateways: tuple[Service, Service]) -> None:
+    """The n-gram draft service sends the match length behind each proposal (Proposal.match_len), and with adaptive
+    k the gateway keeps what its match-length policy keeps, as for its own lookup: the text stays the target's, the
+    policy chose every round, and the drafts saved target steps."""
+    _assert_adaptive_lookup_keeps_the_text(exact_ngram_service_gateways[0])
 
 
 def test_long_match_minimum_drafts_less_and_keeps_the_text(

@@ -364,9 +364,8 @@ def worth_checking_first(tracker: AcceptanceTracker, costs: CostModel, k: int) -
     k is the round's draft length as asked; a proposal can be shorter (the n-gram service drafts at most m - 1
     tokens behind an m-token match, the match policy may keep less), and a check then pays less than priced: one
     reason the adaptive rows lost with it. The Propose's round trip, which the check hides behind its step, is not
-    credited: on two cores the step and the
-    Propose slow each other down, and with it credited the copied text of code edits (a0 ~0.97) was checked too and
-    ran 1% slower (docs/benchmarks/cpu-2026-12-05-checked-rounds).
+    credited: on two cores the step and the Propose slow each other down, and with it credited the copied text of
+    code edits (a0 ~0.97) was checked too and ran 1% slower (docs/benchmarks/cpu-2026-12-05-checked-rounds).
     """
     if k < 1 or costs.sequences >= 1.5:
         return False

@@ -191,8 +191,7 @@ class _FollowUp:
         self.call.add_done_callback(self._collected)
 
     def _collected(self, call: asyncio.Future) -> None:
-        if not call.cancelled():
-            call.exception()  # retrieved: a skipped call's FAILED_PRECONDITION is expected, nothing to log
+        _retrieve(call)  # a skipped call's FAILED_PRECONDITION is expected, nothing to log
         self.span.end()
 
 

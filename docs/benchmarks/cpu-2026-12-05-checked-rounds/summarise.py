@@ -1,10 +1,13 @@
-"""One line per run of `ab.sh` and row: the n-gram service's speedup over target-only, its overhead share and
-efficiency (the report's own figures), and the share of its rounds that were checked. `python summarise.py`"""
+"""One line per run of an A/B and row: the n-gram service's speedup over target-only, its overhead share and
+efficiency (the report's own figures), and the share of its rounds that were checked.
+`python summarise.py [folder]`: the runs in `folder` (default: this one's),
+e.g. ../cpu-2026-12-05-service-match-policy"""
 
 import json
 import pathlib
+import sys
 
-here = pathlib.Path(__file__).parent
+here = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else pathlib.Path(__file__).parent
 workloads = ["edit", "summary", "chat", "json", "edit-t0.7", "chat-t0.7"]
 print("| run | " + " | ".join(workloads) + " |")
 print("|---|" + "---|" * len(workloads))
