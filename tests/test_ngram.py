@@ -311,12 +311,14 @@ def test_ngram_drafter_proposes_exactly_behind_the_repeat_it_declares(
     the gateway would skip drafts), and here, where every length it declares is indexed, always propose behind one."""
     drafter = NgramDrafter(n_min, n_max, scaled)
     assert drafter.proposes_after_repeat == declared
+    assert drafter.match_caps_draft == scaled  # Info.match_caps_draft: what the gateway's repeat floor assumes
     rng = random.Random(n_min * 10 + scaled)
     tokens = [rng.randrange(5) for _ in range(300)]  # a small alphabet: repeats of every length occur
     session = make_session(tokens[:1])
     drafter.open([session])
     watch = RepeatWatch(declared)
     outcomes = set()
+    past_cap = False  # a proposal longer than match_len - 1: what only an unscaled drafter sends
     for end in range(2, len(tokens) + 1):
         session.tokens.append(tokens[end - 1])
         drafter.appended(session, end - 1)
@@ -331,5 +333,7 @@ def test_ngram_drafter_proposes_exactly_behind_the_repeat_it_declares(
             seq = session.tokens
             assert any(seq[i : i + m] == seq[end - m : end] and seq[i + m] == draft.tokens[0] for i in range(end - m))
             assert not scaled or len(draft.tokens) <= m - 1
+            past_cap |= len(draft.tokens) > m - 1
         outcomes.add(proposed)
     assert outcomes == {True, False}
+    assert past_cap == (not scaled)

@@ -53,6 +53,7 @@ def test_draft_model_has_same_fingerprint(target_channel: grpc.Channel, draft_ch
     assert d.drafter == "model"
     assert d.vocab_fingerprint == t.vocab_fingerprint
     assert d.proposes_after_repeat == 0  # a model proposes anywhere
+    assert not d.match_caps_draft
 
 
 def test_ngram_draft_declares_the_repeat_it_needs_and_proposes_only_behind_one(
@@ -64,7 +65,9 @@ def test_ngram_draft_declares_the_repeat_it_needs_and_proposes_only_behind_one(
     tokens = _prompt(pb_grpc.TargetStub(target_channel), "one two three four one two five six two five one two three")
     with grpc.insecure_channel(ngram_draft.address) as channel:
         stub = pb_grpc.DraftStub(channel)
-        assert stub.Info(pb.InfoRequest()).proposes_after_repeat == 2
+        info = stub.Info(pb.InfoRequest())
+        assert info.proposes_after_repeat == 2
+        assert info.match_caps_draft  # the default: an m-token match drafts at most m - 1 tokens
         sid = _sid()
         stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=tokens[:1], sampling=GREEDY)]))
         proposing = []

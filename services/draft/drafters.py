@@ -43,6 +43,11 @@ class Drafter(ABC):
         """Shortest repeated suffix behind which this drafter proposes anything (0: it may propose anywhere)."""
         return 0
 
+    @property
+    def match_caps_draft(self) -> bool:
+        """Whether an m-token suffix match drafts at most m - 1 tokens (an n-gram drafter's confidence rule)."""
+        return False
+
     def open_steps(self, sessions: Sequence[Session]) -> Generator[None, None, None]:
         """Prepare new sessions (prefill, indexes); a generator so long prefills run in chunks between steps."""
         self.open(sessions)
@@ -83,6 +88,10 @@ class NgramDrafter(Drafter):
     def proposes_after_repeat(self) -> int:
         # The index holds suffixes of n_min tokens and more; scaled, an m-token match drafts at most m - 1 tokens.
         return max(self.n_min, 2) if self.scaled else self.n_min
+
+    @property
+    def match_caps_draft(self) -> bool:
+        return self.scaled
 
     def open(self, sessions: Sequence[Session]) -> None:
         for session in sessions:

@@ -432,10 +432,11 @@ class MatchLengthPolicy:
         """What `best_draft_length` weighs with: the rate by match bucket, the cost of a round with 0..max_draft
         drafts and of a plain token. None until the cost curve is known (then every proposal is kept whole)."""
         costs = self.costs.round_costs(max_draft, priced_alone=True)
-        plain = self.costs.plain_ns(priced_alone=True)
-        if costs is None or plain is None:
+        if costs is None:
             return None
-        return self.bucket_rates(), costs, plain
+        # plain_ns(priced_alone=True) without pricing the plain round again: costs[0] is that round.
+        token_ns = self.costs.plain_token_ns
+        return self.bucket_rates(), costs, costs[0] if token_ns is None else token_ns
 
     def observe_round(self, match_len: int, drafted: int, accepted: int) -> None:
         """A round the target drafted itself (`LookupRule`), behind a `match_len`-token match."""

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
@@ -234,6 +235,11 @@ class Generation:
             if self._local is None and upstreams.draft is not None and upstreams.draft_info is not None
             else 0
         )
+        # Whether an m-token match drafts at most m - 1 tokens: the local lookup's rule, and an n-gram service's unless
+        # it was started without it (`--no-ngram-scaled`, its Info says so); then any match may draft k tokens.
+        self._match_caps_draft = self._local is not None or (
+            upstreams.draft_info is not None and upstreams.draft_info.match_caps_draft
+        )
         # The sequence so far, for the repeat test of a draft service's stretches (the local lookup keeps its own).
         self._sequence: list[int] | None = list(request.prompt_token_ids) if self._service_repeat else None
         self._last_propose_ns = 0  # when the last Propose went out (a stretch for a draft service ends in time)
@@ -402,16 +408,18 @@ class Generation:
                 return
             while self._produced < self.req.max_tokens:
                 if not self._use_draft:  # target-only from here on (no draft, n_max 0, or the draft failed)
-                    async for token in self._plain_tokens():
-                        yield token
+                    async with aclosing(self._plain_tokens()) as plain:
+                        async for token in plain:
+                            yield token
                     return
                 k = self._choose_k()
                 if self.policy is not None and self.policy.futile:
                     self._stop_drafting()
                     continue
                 if self._checks_first(k):
-                    async for token in self._checked_round(k):
-                        yield token
+                    async with aclosing(self._checked_round(k)) as checked:
+                        async for token in checked:
+                            yield token
                     if self._finished:
                         return
                     continue
@@ -454,8 +462,9 @@ class Generation:
                     if not stretch:  # a stretch's first call is this round's verification: it ends the span
                         round_span.end()
                 if stretch:
-                    async for token in self._lookup_stretch(round_span):
-                        yield token
+                    async with aclosing(self._lookup_stretch(round_span)) as stretch_tokens:
+                        async for token in stretch_tokens:
+                            yield token
                     if self._finished:
                         return
                     continue
@@ -485,8 +494,9 @@ class Generation:
                     ):
                         live, follow = follow, None
                         self.stats.follow_ups_used += 1
-                        async for token in self._lookup_stretch(None, live):
-                            yield token
+                        async with aclosing(self._lookup_stretch(None, live)) as stretch_tokens:
+                            async for token in stretch_tokens:
+                                yield token
                         if self._finished:
                             return
                 finally:
@@ -801,8 +811,9 @@ class Generation:
     def _repeat_floor(self) -> int:
         """The shortest suffix match the lookup would draft behind from here on (0: none), for `stop_at_repeat`.
 
-        A draft needs a match of m tokens with `_keeps(m, drafted)` for drafted <= min(cap, m - 1), and keeping is
-        monotone in `drafted`, so no match shorter than this floor can draft anywhere in the next call."""
+        A draft needs a match of m tokens with `_keeps(m, drafted)` for drafted <= min(cap, m - 1) (<= cap where a
+        match does not cap the draft, `_match_caps_draft`), and keeping is monotone in `drafted`, so no match shorter
+        than this floor can draft anywhere in the next call."""
         cap = min(self.req.n_max, self.req.max_tokens - self._produced - 1)
         lo = max(self.req.n_min, 1)
         if cap < lo:
@@ -812,7 +823,7 @@ class Generation:
         # The shortest match the lookup drafts behind (a draft service: its own rule), raised to what the policy keeps.
         shortest = self.req.ngram_min if self._local is not None else self._service_repeat
         for m in range(max(shortest, lo + 1), MATCH_CAP + 1):
-            if self._keeps(m, min(cap, m - 1)):
+            if self._keeps(m, min(cap, m - 1) if self._match_caps_draft else cap):
                 return m
         return 0
 
