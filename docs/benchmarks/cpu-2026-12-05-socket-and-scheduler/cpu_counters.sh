@@ -1,8 +1,10 @@
 #!/bin/bash
 # usage: cpu_counters.sh OUT [bench args...]  -- per-thread CPU of the stack's processes during one bench run
-OUT=$1; shift; rm -rf $OUT; mkdir -p $OUT
-cd ${TREE:-/work/main}
-(PYTHONPATH=${TREE:-/work/main} timeout 900 .venv/bin/python -m bench "$@" --out $OUT/out > $OUT/log 2>&1; echo done > $OUT/finished) &
+# (the tree measured: TREE, default the checkout this script sits in; run nothing else meanwhile)
+OUT=$(realpath -m "$1"); shift; rm -rf $OUT; mkdir -p $OUT
+TREE=${TREE:-$(git -C "$(dirname "$0")" rev-parse --show-toplevel)}
+cd $TREE
+(PYTHONPATH=$TREE timeout 900 .venv/bin/python -m bench "$@" --out $OUT/out > $OUT/log 2>&1; echo done > $OUT/finished) &
 for i in $(seq 120); do grep -q "bench:" $OUT/log 2>/dev/null && break; sleep 1; done
 ps -eo pid,args | grep -E "python -m services\.(target|draft|gateway)" | grep -v grep | awk '{print $1, $4}' > $OUT/pids
 snapt() { for p in $(awk '{print $1}' $OUT/pids); do for t in /proc/$p/task/*; do v=$(awk '{print $14+$15}' $t/stat 2>/dev/null) || return 1; echo "$p $(basename $t) $(cat $t/comm 2>/dev/null| tr ' ' _) $v"; done; done; }
