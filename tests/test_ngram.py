@@ -311,7 +311,7 @@ def test_ngram_drafter_proposes_exactly_behind_the_repeat_it_declares(
     the gateway would skip drafts), and here, where every length it declares is indexed, always propose behind one."""
     drafter = NgramDrafter(n_min, n_max, scaled)
     assert drafter.proposes_after_repeat == declared
-    assert drafter.match_caps_draft == scaled  # Info.match_caps_draft: what the gateway's repeat floor assumes
+    assert drafter.match_uncapped == (not scaled)  # Info.match_uncapped: what the gateway's repeat floor assumes
     rng = random.Random(n_min * 10 + scaled)
     tokens = [rng.randrange(5) for _ in range(300)]  # a small alphabet: repeats of every length occur
     session = make_session(tokens[:1])

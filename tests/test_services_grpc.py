@@ -53,7 +53,6 @@ def test_draft_model_has_same_fingerprint(target_channel: grpc.Channel, draft_ch
     assert d.drafter == "model"
     assert d.vocab_fingerprint == t.vocab_fingerprint
     assert d.proposes_after_repeat == 0  # a model proposes anywhere
-    assert not d.match_caps_draft
 
 
 def test_ngram_draft_declares_the_repeat_it_needs_and_proposes_only_behind_one(
@@ -67,7 +66,7 @@ def test_ngram_draft_declares_the_repeat_it_needs_and_proposes_only_behind_one(
         stub = pb_grpc.DraftStub(channel)
         info = stub.Info(pb.InfoRequest())
         assert info.proposes_after_repeat == 2
-        assert info.match_caps_draft  # the default: an m-token match drafts at most m - 1 tokens
+        assert not info.match_uncapped  # the default: an m-token match drafts at most m - 1 tokens
         sid = _sid()
         stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=tokens[:1], sampling=GREEDY)]))
         proposing = []
@@ -87,6 +86,38 @@ def test_ngram_draft_declares_the_repeat_it_needs_and_proposes_only_behind_one(
                 assert any(tokens[i : i + m] == suffix and tokens[i + m] == first for i in range(end - m)), end
         stub.Close(pb.CloseRequest(session_ids=[sid]))
     assert any(proposing) and not all(proposing)
+
+
+def test_gateway_asks_again_where_an_unscaled_service_can_draft(
+    target: Service, ngram_draft: Service, service_tmp
+) -> None:
+    """`Info.match_uncapped`: an n-gram service started with --no-ngram-scaled may draft a request's minimum of 2 tokens
+    behind a 2-token match, where the default confidence rule needs a 3-token one. The gateway's repeat floor (where
+    its target-only stretches stop to ask the service again) follows what each service declares."""
+    import asyncio
+
+    from services.gateway.speculative import Generation, GenerationRequest
+    from services.gateway.upstream import connect
+    from tandem.sampling import SamplingParams
+
+    async def floor(draft: Service) -> int:
+        up = await connect(target.address, draft.address, 60.0)
+        try:
+            request = GenerationRequest([1, 2, 3], SamplingParams(temperature=0.0), 64, 8, n_min=2)
+            return Generation(up, request, 60.0)._repeat_floor()  # costs unknown yet: every proposal is kept whole
+        finally:
+            await up.close()
+
+    flags = ["--drafter", "ngram", "--ngram-min", "2", "--no-ngram-scaled"]
+    unscaled = start_model_service("services.draft", flags, service_tmp)
+    try:
+        with grpc.insecure_channel(unscaled.address) as channel:
+            info = pb_grpc.DraftStub(channel).Info(pb.InfoRequest())
+        assert info.match_uncapped and info.proposes_after_repeat == 2
+        assert asyncio.run(floor(unscaled)) == 2
+        assert asyncio.run(floor(ngram_draft)) == 3
+    finally:
+        unscaled.stop()
 
 
 def test_health_and_reflection(target_channel: grpc.Channel) -> None:

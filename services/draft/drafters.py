@@ -44,8 +44,8 @@ class Drafter(ABC):
         return 0
 
     @property
-    def match_caps_draft(self) -> bool:
-        """Whether an m-token suffix match drafts at most m - 1 tokens (an n-gram drafter's confidence rule)."""
+    def match_uncapped(self) -> bool:
+        """An n-gram drafter without its confidence rule: an m-token suffix match may draft more than m - 1 tokens."""
         return False
 
     def open_steps(self, sessions: Sequence[Session]) -> Generator[None, None, None]:
@@ -90,8 +90,8 @@ class NgramDrafter(Drafter):
         return max(self.n_min, 2) if self.scaled else self.n_min
 
     @property
-    def match_caps_draft(self) -> bool:
-        return self.scaled
+    def match_uncapped(self) -> bool:
+        return not self.scaled
 
     def open(self, sessions: Sequence[Session]) -> None:
         for session in sessions:

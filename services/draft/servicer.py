@@ -83,7 +83,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                 drafter=service.drafter.name,
             )
         msg.proposes_after_repeat = service.drafter.proposes_after_repeat
-        msg.match_caps_draft = service.drafter.match_caps_draft
+        msg.match_uncapped = service.drafter.match_uncapped
         return serving_stats(msg, service.store, self.scheduler)
 
     async def Open(self, request: pb.OpenRequest, context: grpc.aio.ServicerContext) -> pb.OpenResponse:

@@ -361,11 +361,12 @@ def worth_checking_first(tracker: AcceptanceTracker, costs: CostModel, k: int) -
     step of k + 1 tokens costs what a one-token step does (a GPU), it never pays. Sessions sharing steps are priced
     by the line, not lone steps: no check then.
 
-    k is the round's draft length as asked; a proposal can be shorter (the n-gram service drafts at most m - 1
-    tokens behind an m-token match, the match policy may keep less), and a check then pays less than priced: one
-    reason the adaptive rows lost with it. The Propose's round trip, which the check hides behind its step, is not
-    credited: on two cores the step and the Propose slow each other down, and with it credited the copied text of
-    code edits (a0 ~0.97) was checked too and ran 1% slower (docs/benchmarks/cpu-2026-12-05-checked-rounds).
+    k is the round's draft length as asked; a proposal can be shorter (by default the n-gram service drafts at most
+    m - 1 tokens behind an m-token match, and the match policy may keep less), and a check then pays less than
+    priced: one reason the adaptive rows lost with it. The Propose's round trip, which the check hides behind its
+    step, is not credited: on two cores the step and the Propose slow each other down, and with it credited the
+    copied text of code edits (a0 ~0.97) was checked too and ran 1% slower
+    (docs/benchmarks/cpu-2026-12-05-checked-rounds).
     """
     if k < 1 or costs.sequences >= 1.5:
         return False
@@ -382,12 +383,12 @@ PRIOR_MISS = 0.125  # prior: a position continuing an n-token match is rejected 
 class MatchLengthPolicy:
     """Adaptive k for prompt lookup, whose drafts come with a confidence: the length of the match behind them.
 
-    The drafter proposes the continuation of the longest earlier occurrence of the text's suffix (m tokens long,
-    at most m - 1 draft tokens). Draft position i then continues a match of m + i tokens, and how often such a
-    position is accepted depends on that length far more than on i: a copied passage stays safe however long the
-    draft, a two-token coincidence does not. So acceptance is tracked per match-length bucket (decayed, so it
-    follows the text), with a prior that trusts long matches, and each round keeps the k of the proposal that
-    maximises expected tokens per unit of round cost (k = 0: do not draft this round).
+    The drafter proposes the continuation of the longest earlier occurrence of the text's suffix (m tokens long, at
+    most m - 1 draft tokens under its confidence rule, the default). Draft position i then continues a match of m +
+    i tokens, and how often such a position is accepted depends on that length far more than on i: a copied passage
+    stays safe however long the draft, a two-token coincidence does not. So acceptance is tracked per match-length
+    bucket (decayed, so it follows the text), with a prior that trusts long matches, and each round keeps the k of
+    the proposal that maximises expected tokens per unit of round cost (k = 0: do not draft this round).
 
     Why not `DraftLengthPolicy`: by position alone, the rejected drafts of short matches pulled the estimate for
     every draft down. Replayed on the benchmark's target-only texts with this CPU's verify costs

@@ -237,8 +237,8 @@ class Generation:
         )
         # Whether an m-token match drafts at most m - 1 tokens: the local lookup's rule, and an n-gram service's unless
         # it was started without it (`--no-ngram-scaled`, its Info says so); then any match may draft k tokens.
-        self._match_caps_draft = self._local is not None or (
-            upstreams.draft_info is not None and upstreams.draft_info.match_caps_draft
+        self._match_caps_draft = self._local is not None or not (
+            upstreams.draft_info is not None and upstreams.draft_info.match_uncapped
         )
         # The sequence so far, for the repeat test of a draft service's stretches (the local lookup keeps its own).
         self._sequence: list[int] | None = list(request.prompt_token_ids) if self._service_repeat else None
@@ -822,7 +822,8 @@ class Generation:
             return self._service_repeat  # the service's own rule; shorter matches never draft there
         # The shortest match the lookup drafts behind (a draft service: its own rule), raised to what the policy keeps.
         shortest = self.req.ngram_min if self._local is not None else self._service_repeat
-        for m in range(max(shortest, lo + 1), MATCH_CAP + 1):
+        # Capped, an m-token match drafts at most m - 1 tokens, so it takes lo + 1 to draft lo; uncapped, lo will do.
+        for m in range(max(shortest, lo + 1 if self._match_caps_draft else lo), MATCH_CAP + 1):
             if self._keeps(m, min(cap, m - 1) if self._match_caps_draft else cap):
                 return m
         return 0

@@ -1,6 +1,7 @@
 """One line per run and configuration of an A/B: speedup over target-only (target-only: its decode tok/s, how fast
 the shared host was in that run) and overhead share, the report's own figures, on each workload.
-`python summarise.py uds` or `python summarise.py sched-batch` (a folder of runs)."""
+`python summarise.py uds` or `python summarise.py sched-batch` (a folder of runs, listed by name, not in the
+order they ran)."""
 
 import json
 import pathlib

@@ -1,6 +1,7 @@
 #!/bin/bash
+# usage: ab.sh OUTROOT ; alternates the tcp and batch arms, twice
 set -u
-ROOT=$1; mkdir -p $ROOT  # arms: copies of the tree at /tmp/ab-tcp and /tmp/ab-batch (sched-batch.patch applied)
+ROOT=$(realpath -m "$1"); mkdir -p "$ROOT"  # arms: copies of the tree at /tmp/ab-tcp and /tmp/ab-batch (sched-batch.patch applied)
 for round in 1 2; do
   for arm in tcp batch; do
     cd /tmp/ab-$arm

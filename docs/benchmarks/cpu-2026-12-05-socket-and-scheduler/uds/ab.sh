@@ -1,7 +1,7 @@
 #!/bin/bash
-# usage: ab-run.sh OUTROOT ; alternates tcp/uds arms twice
+# usage: ab.sh OUTROOT ; alternates the tcp and uds arms, twice
 set -u
-ROOT=$1; mkdir -p $ROOT  # arms: copies of the tree at /tmp/ab-tcp and /tmp/ab-uds (uds.patch applied)
+ROOT=$(realpath -m "$1"); mkdir -p "$ROOT"  # arms: copies of the tree at /tmp/ab-tcp and /tmp/ab-uds (uds.patch applied)
 for round in 1 2; do
   for arm in tcp uds; do
     cd /tmp/ab-$arm
