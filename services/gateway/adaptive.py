@@ -142,7 +142,10 @@ class CostModel:
         made short drafts of sampled text look worth it: 1 draft token paid from 29% acceptance instead of ~40%.
         `priced_alone` as for `round_ns`.
         """
-        plain_round = self.round_ns(0, priced_alone)
+        return self.plain_from_round(self.round_ns(0, priced_alone))
+
+    def plain_from_round(self, plain_round: float | None) -> float | None:
+        """`plain_ns` for a caller that has priced the plain round (`round_ns(0)`) already."""
         return plain_round if self.plain_token_ns is None or plain_round is None else self.plain_token_ns
 
     def step_ns(self, tokens: int) -> float | None:
@@ -435,9 +438,7 @@ class MatchLengthPolicy:
         costs = self.costs.round_costs(max_draft, priced_alone=True)
         if costs is None:
             return None
-        # plain_ns(priced_alone=True) without pricing the plain round again: costs[0] is that round.
-        token_ns = self.costs.plain_token_ns
-        return self.bucket_rates(), costs, costs[0] if token_ns is None else token_ns
+        return self.bucket_rates(), costs, self.costs.plain_from_round(costs[0])  # costs[0]: the plain round
 
     def observe_round(self, match_len: int, drafted: int, accepted: int) -> None:
         """A round the target drafted itself (`LookupRule`), behind a `match_len`-token match."""
