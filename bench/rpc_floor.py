@@ -5,7 +5,10 @@ processes, with no tandem code at all (an echo service), and optionally the same
     python -m bench.rpc_floor --target 127.0.0.1:50051  # plus Verify calls the target answers NOT_FOUND at once
 
 A speculative round makes two such calls (Propose and Verify), so twice the echo figure is what the transport alone
-costs a round on this host, however lean the services are.
+costs a round on this host, however lean the services are. The echo also reports the CPU time each side spent per
+round trip (on two cores, what one process burns the other processes wait for). gRPC's own settings come from the
+environment as usual, e.g. `GRPC_EXPERIMENTS=-event_engine_client,-event_engine_listener` for the poller I/O that
+grpcio used before 1.80 (docs/benchmarks/cpu-2026-12-05-grpc-io).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -50,10 +54,21 @@ async def _time_round_trips(call, messages: Iterable[object]) -> list[int]:
     return times
 
 
-async def _echo_round_trips(address: str, calls: int) -> list[int]:
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc; the fields after the command name's closing ')')."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _echo_round_trips(address: str, calls: int, server_pid: int) -> tuple[list[int], float, float]:
+    """(round trip times, then CPU seconds per round trip of this client and of the server) over `calls` echoes."""
     async with grpc.aio.insecure_channel(address) as channel:
         call = channel.stream_stream(f"/{SERVICE}/{METHOD}")()
-        return await _time_round_trips(call, [b"x" * 64] * calls)
+        client0, server0 = time.process_time(), _process_cpu_s(server_pid)
+        times = await _time_round_trips(call, [b"x" * 64] * calls)
+        client1, server1 = time.process_time(), _process_cpu_s(server_pid)
+        return times, (client1 - client0) / calls, (server1 - server0) / calls
 
 
 async def _target_round_trips(address: str, calls: int) -> list[int]:
@@ -86,14 +101,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         port = int(server.stdout.readline())
-        out = {"echo": _summary(asyncio.run(_echo_round_trips(f"127.0.0.1:{port}", args.calls)))}
+        times, client_cpu, server_cpu = asyncio.run(_echo_round_trips(f"127.0.0.1:{port}", args.calls, server.pid))
+        out = {"echo": {**_summary(times), "client_cpu_us": client_cpu * 1e6, "server_cpu_us": server_cpu * 1e6}}
     finally:
         server.terminate()
         server.wait(timeout=10)
     if args.target:
         out["target NOT_FOUND"] = _summary(asyncio.run(_target_round_trips(args.target, args.calls)))
     for name, figures in out.items():
-        print(f"{name}: median {figures['median_us']:.0f} us, p90 {figures['p90_us']:.0f} us per round trip")
+        cpu = (
+            f", CPU {figures['client_cpu_us']:.0f} us client / {figures['server_cpu_us']:.0f} us server"
+            if "client_cpu_us" in figures
+            else ""
+        )
+        print(f"{name}: median {figures['median_us']:.0f} us, p90 {figures['p90_us']:.0f} us per round trip{cpu}")
+    print("GRPC_EXPERIMENTS:", os.environ.get("GRPC_EXPERIMENTS", "(unset: grpcio's defaults)"))
     print(json.dumps(out))
 
 
