@@ -18,6 +18,17 @@ EDIT = (
 )
 
 
+# A fixed draft length: the lookup then drafts wherever the answer copies the prompt. At adaptive k the gateway's
+# shared cost model decides, and against the tests' one-thread target it drafted this short answer ("return 2 *
+# (w + h)", 10 tokens) in the first request and no more after it: the second of these tests, run alone, saw none.
+FIXED_K_EDIT = {
+    "messages": [{"role": "user", "content": EDIT}],
+    "max_tokens": 48,
+    "temperature": 0,
+    "speculative.adaptive": False,
+}
+
+
 def _metric(text: str, name: str, labels: str = "") -> float:
     pattern = re.compile(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", re.M)
     match = pattern.search(text)
@@ -30,13 +41,13 @@ def test_metrics_count_speculation(gateway: Service) -> None:
     drafts0 = _metric(before, "tandem_spec_decode_num_drafts_total")
     reply = httpx.post(
         f"{gateway.address}/v1/chat/completions",
-        json={"messages": [{"role": "user", "content": EDIT}], "max_tokens": 48, "temperature": 0},
+        json=FIXED_K_EDIT,
         timeout=120,
     ).json()
     after = httpx.get(f"{gateway.address}/metrics").text
     timings = reply["timings"]
     assert _metric(after, "tandem_spec_decode_num_draft_tokens_total") >= timings["draft_n"]
-    assert _metric(after, "tandem_spec_decode_num_drafts_total") > drafts0, timings  # adaptive k drafted
+    assert _metric(after, "tandem_spec_decode_num_drafts_total") > drafts0, timings
     assert _metric(after, "tandem_spec_decode_num_accepted_tokens_per_pos_total", '{position="0"}') >= 1
     assert _metric(after, "tandem_requests_total", '{endpoint="/v1/chat/completions",status="200"}') >= 1
     assert _metric(after, "tandem_time_to_first_token_seconds_count") >= 1
@@ -52,10 +63,11 @@ def test_metrics_count_speculation(gateway: Service) -> None:
 def test_response_reports_acceptance(gateway: Service) -> None:
     reply = httpx.post(
         f"{gateway.address}/v1/chat/completions",
-        json={"messages": [{"role": "user", "content": EDIT}], "max_tokens": 48, "temperature": 0},
+        json=FIXED_K_EDIT,
         timeout=120,
     ).json()
     t = reply["timings"]
+    assert t["draft_n"] > 0, t
     assert t["acceptance_rate"] == pytest.approx(t["draft_n_accepted"] / t["draft_n"], abs=1e-4)
     assert t["mean_accepted_length"] == pytest.approx((t["draft_n_accepted"] + t["rounds"]) / t["rounds"], abs=1e-4)
 
