@@ -55,6 +55,12 @@ def tracer() -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME)
 
 
+def tracing_on() -> bool:
+    """Whether this process has a tracer provider (setup_tracing's, or one a test installs): without one every span
+    is a no-op. Cheap enough to ask per call (a global and an environment lookup)."""
+    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
 def carrier_for(span: Span) -> dict[str, str]:
     """W3C trace context making `span` the parent of the server's span (empty when not recording)."""
     carrier: dict[str, str] = {}

@@ -145,3 +145,26 @@ def test_one_trace_per_request_across_services(traced_services: tuple[Service, S
     assert {s["parent_id"] for s in target_spans if s["name"].endswith("/Verify")} == verify_ids
     assert {s["parent_id"] for s in draft_spans if s["name"].endswith("/Propose")} == propose_ids
     assert any(s["name"].endswith("/Open") for s in target_spans)
+
+
+def test_traced_service_spans_a_stream_call_sent_without_context(traced_services: tuple[Service, Service]) -> None:
+    """A service skips the server span only where there is nothing to record: no trace context in the call and no
+    tracer provider of its own. With tracing on, a call from an untraced caller still gets a (root) span."""
+    import grpc
+
+    from tandem.v1 import tandem_pb2 as pb
+    from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+    _, draft = traced_services
+    session = f"untraced-{time.monotonic_ns()}"
+    request = pb.ProposeRequest(request_id=7, items=[pb.ProposeItem(session_id=session, position=1, max_tokens=2)])
+    with grpc.insecure_channel(draft.address) as channel:
+        (reply,) = list(pb_grpc.DraftStub(channel).ProposeStream(iter([request]), timeout=30))
+    assert reply.request_id == 7 and reply.error.code == grpc.StatusCode.NOT_FOUND.value[0]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        spans = [s for s in _spans(draft.log()) if s["name"].endswith("/Propose") and s["parent_id"] is None]
+        if spans:
+            break
+        time.sleep(0.1)
+    assert spans, draft.log()[-2000:]
