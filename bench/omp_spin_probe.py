@@ -13,6 +13,7 @@ import os
 import sys
 import time
 
+from bench.procstat import cpu_ticks
 from tandem.config import EngineSettings
 from tandem.engine import DecodeItem, Engine
 
@@ -21,9 +22,7 @@ def thread_cpu_ticks() -> dict[str, int]:
     """utime + stime of every thread of this process, in clock ticks."""
     out = {}
     for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        out[tid] = int(fields[11]) + int(fields[12])
+        out[tid] = cpu_ticks(f"/proc/self/task/{tid}/stat")
     return out
 
 

@@ -25,6 +25,8 @@ from collections.abc import Iterable
 
 import grpc
 
+from bench.procstat import cpu_ticks
+
 SERVICE, METHOD = "floor.Echo", "Stream"
 
 
@@ -55,10 +57,8 @@ async def _time_round_trips(call, messages: Iterable[object]) -> list[int]:
 
 
 def _process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (/proc; the fields after the command name's closing ')')."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of a process so far."""
+    return cpu_ticks(f"/proc/{pid}/stat") / os.sysconf("SC_CLK_TCK")
 
 
 async def _echo_round_trips(address: str, calls: int, server_pid: int) -> tuple[list[int], float, float]:
