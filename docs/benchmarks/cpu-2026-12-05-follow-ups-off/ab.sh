@@ -1,7 +1,8 @@
 #!/bin/bash
 # usage: bash ab.sh  -- the n-gram draft service at k = 8 with the lookup rounds' follow-up calls (default) and
 # without (a copy of the checkout with FOLLOW_UP_MIN_MISS = 2.0 in services/gateway/adaptive.py: never sent),
-# two runs a side, alternating. Folders under $OUT (default /tmp/follow-ups); `python summarise.py $OUT/*_?`.
+# two runs a side, alternating. Folders under $OUT (default /tmp/follow-ups);
+# `python ../cpu-2026-12-05-grpc-io/summarise.py $OUT/*_?` prints their rows.
 set -u
 OUT=${OUT:-/tmp/follow-ups}; mkdir -p "$OUT"
 TREE=$(git -C "$(dirname "$0")" rev-parse --show-toplevel) || exit 2
