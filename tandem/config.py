@@ -302,6 +302,13 @@ class GatewaySettings(BaseSettings):
         " trip of its own (two idle gaps at the target, ~3 ms a round on the 2-core CPU); used when the target's Info"
         " declares prompt_lookup",
     )
+    continue_rounds: bool = Field(
+        True,
+        description="an n-gram draft service: a round whose drafts are likely to fail at once asks the target to go on"
+        " decoding on its own after it, up to the next repeat the service could draft behind, in the same call"
+        " (VerifyItem.plain_steps with drafts), instead of a second call sent behind it that the target skips whenever"
+        " the round accepted a draft; used when the target's Info declares continues_rounds",
+    )
     check_first_draft: Literal["auto", "always", "never"] = Field(
         "never",
         description="an n-gram draft service: check a round's first draft with a one-token step sent with the"

@@ -489,9 +489,11 @@ def test_ngram_service_stretches_skip_empty_proposals_and_change_nothing(
     """The n-gram draft service declares that it proposes only behind a repeated 2-gram, so between its drafts the
     gateway lets the target decode up to the next one (`stop_at_repeat`) instead of asking for an empty proposal
     every round. Text, drafts, acceptance and rounds must be those of a Propose every round, in fewer calls. Nor does
-    it ask after a round that ends on a token that repeats nothing (`proposes_skipped`): the answer would be empty."""
+    it ask after a round that ends on a token that repeats nothing (`proposes_skipped`): the answer would be empty.
+    And a round whose drafts are likely to fail at once goes on as such a stretch in the same call
+    (`continued_rounds`, the target's continues_rounds)."""
     burst_gateway, serial_gateway = exact_ngram_service_gateways
-    pipelined = skipped = 0
+    pipelined = skipped = continued = 0
     for prompt in (PROMPTS[2], PROMPTS[9]):  # free prose (few drafts), rewriting a function (many)
         burst = _chat(burst_gateway, prompt, n_max=8, **sampling)
         serial = _chat(serial_gateway, prompt, n_max=8, **sampling)
@@ -500,11 +502,12 @@ def test_ngram_service_stretches_skip_empty_proposals_and_change_nothing(
         assert burst["timings"]["verify_steps"] == serial["timings"]["verify_steps"]
         assert burst["timings"]["verify_calls"] < serial["timings"]["verify_calls"]
         assert burst["timings"]["propose_calls"] < serial["timings"]["propose_calls"]
-        assert serial["timings"]["proposes_skipped"] == 0  # one call at a time: every round asks
+        assert serial["timings"]["proposes_skipped"] == serial["timings"]["continued_rounds"] == 0  # one call at a time
         pipelined += burst["timings"]["pipelined_rounds"]
         skipped += burst["timings"]["proposes_skipped"]
+        continued += burst["timings"]["continued_rounds"]
     assert pipelined > 0  # some stretch went on past its first call
-    assert skipped > 0
+    assert skipped > 0 and continued > 0
 
 
 @pytest.fixture(scope="module")

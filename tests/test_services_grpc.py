@@ -472,7 +472,7 @@ def _single_steps(stub: pb_grpc.TargetStub, prompt: list[int], n: int, sampling=
 )
 def test_plain_steps_answer_several_tokens_exactly_as_single_calls(target_channel: grpc.Channel, sampling) -> None:
     """`plain_steps` decodes N tokens in one call, one engine step each: the same tokens, log-probabilities and
-    random stream as N single calls; an exact retry is answered from memory; drafts with it are refused."""
+    random stream as N single calls; an exact retry is answered from memory."""
     stub = pb_grpc.TargetStub(target_channel)
     prompt = _prompt(stub)
     reference = _single_steps(stub, prompt, 9, sampling)
@@ -486,10 +486,45 @@ def test_plain_steps_answer_several_tokens_exactly_as_single_calls(target_channe
     assert stub.Verify(request).results == reply.results  # an exact retry: nothing applied twice
     rest = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos + 5, plain_steps=4)]))
     assert list(rest.results[0].tokens) == reference[5:9]
-    with_drafts = pb.VerifyRequest(
-        items=[pb.VerifyItem(session_id=sid, position=pos + 9, draft_token_ids=[11], plain_steps=3)]
+    stub.Close(pb.CloseRequest(session_ids=[sid]))
+
+
+@pytest.mark.parametrize(
+    "sampling", [GREEDY, pb.SamplingParams(temperature=0.9, top_k=40, seed=7)], ids=["greedy", "sampled"]
+)
+def test_a_round_that_goes_on_answers_as_a_round_then_a_plain_call(target_channel: grpc.Channel, sampling) -> None:
+    """Drafts with `plain_steps` (Info.continues_rounds): the first step verifies them, then the call decodes on its
+    own until the sequence is plain_steps tokens past its position. Tokens, log-probabilities and random stream must
+    be those of the round as a call of its own followed by a target-only call; the round is reported at offset 0 with
+    match_len 0; an exact retry is answered from memory, and a retry with other drafts is not mistaken for it."""
+    stub = pb_grpc.TargetStub(target_channel)
+    assert stub.Info(pb.InfoRequest()).continues_rounds
+    prompt = _prompt(stub)
+    greedy = _single_steps(stub, prompt, 4)
+    drafts = [greedy[0].id, greedy[1].id, (greedy[2].id + 1) % 1000]  # greedy: two accepted, the third rejected
+    sid, pos = _open(stub, prompt, sampling, logprobs=True)
+    first = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, draft_token_ids=drafts)]))
+    after = first.results[0].position
+    plain = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=after, plain_steps=12)]))
+    reference = [*first.results[0].tokens, *plain.results[0].tokens][:12]
+    stub.Close(pb.CloseRequest(session_ids=[sid]))
+
+    sid, pos = _open(stub, prompt, sampling, logprobs=True)
+    call = pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, draft_token_ids=drafts, plain_steps=12)])
+    reply = stub.Verify(call)
+    (result,) = reply.results
+    assert list(result.tokens) == reference and result.position == pos + 12
+    (own,) = result.lookup_rounds
+    assert (own.offset, own.match_len, own.drafted) == (0, 0, 3)
+    assert own.accepted == first.results[0].num_accepted and own.forward_ns > 0
+    if sampling is GREEDY:
+        assert own.accepted == 2
+    assert reply.timing.steps == 1 + 12 - (own.accepted + 1)
+    assert stub.Verify(call).results == reply.results  # an exact retry: nothing applied twice
+    other = pb.VerifyRequest(
+        items=[pb.VerifyItem(session_id=sid, position=pos, draft_token_ids=drafts[:2], plain_steps=12)]
     )
-    assert _code(lambda: stub.Verify(with_drafts)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert _code(lambda: stub.Verify(other)) == grpc.StatusCode.FAILED_PRECONDITION  # not its answer: refused
     stub.Close(pb.CloseRequest(session_ids=[sid]))
 
 
@@ -651,8 +686,37 @@ def test_stop_at_repeat_ends_target_only_calls_where_prompt_lookup_could_draft(t
     with_drafts = pb.VerifyRequest(
         items=[pb.VerifyItem(session_id=sid, position=pos, draft_token_ids=[5], stop_at_repeat=4)]
     )
-    assert _code(lambda: stub.Verify(with_drafts)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert _code(lambda: stub.Verify(with_drafts)) == grpc.StatusCode.INVALID_ARGUMENT  # one step: nothing to stop
     stub.Close(pb.CloseRequest(session_ids=[sid]))
+
+
+def test_a_round_that_goes_on_stops_at_a_repeat_and_is_never_skipped_for_one(target_channel: grpc.Channel) -> None:
+    """A round with `plain_steps` and `stop_at_repeat=n` always verifies its drafts, even where the sequence already
+    ends with a repeated n-gram, and the decoding after it ends after the first token (the round's own included)
+    that leaves the sequence so. Checked against one-token calls and the definition written out, n from 1 to 12."""
+    stub = pb_grpc.TargetStub(target_channel)
+    prompt = _prompt(stub, COPYING_PROMPT)
+    reference = [t.id for t in _single_steps(stub, prompt, 16)]
+    drafts = reference[:2]  # greedy: both accepted, the round emits reference[:3]
+    seen = {"repeat before": 0, "stopped by the round": 0, "stopped after it": 0}
+    for n in range(1, 13):
+        sid = _sid()
+        item = pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)
+        opened = stub.Open(pb.OpenRequest(items=[item])).results[0]
+        sequence, pos = [*prompt, opened.first_token.id], opened.position
+        call = pb.VerifyItem(session_id=sid, position=pos, draft_token_ids=drafts, plain_steps=16, stop_at_repeat=n)
+        result = stub.Verify(pb.VerifyRequest(items=[call])).results[0]
+        want = next(
+            (reference[: j + 1] for j in range(2, 16) if _ends_with_repeat([*sequence, *reference[: j + 1]], n)),
+            reference,
+        )
+        assert [t.id for t in result.tokens] == want, n
+        assert result.lookup_rounds[0].accepted == 2
+        seen["repeat before"] += _ends_with_repeat(sequence, n)
+        seen["stopped by the round"] += len(want) == 3
+        seen["stopped after it"] += 3 < len(want) < 16
+        stub.Close(pb.CloseRequest(session_ids=[sid]))
+    assert all(seen.values()), seen  # the prompt exercises every case (greedy, deterministic)
 
 
 def test_a_call_pipelined_behind_one_stopped_at_a_repeat_is_skipped(target_channel: grpc.Channel) -> None:

@@ -155,6 +155,7 @@ class Serving:
             self.settings.plain_burst_ms,
             self.settings.target_lookup,
             self.settings.check_first_draft,
+            self.settings.continue_rounds,
         )
 
     async def deltas(self, generation: Generation, stop: Sequence[str]) -> AsyncIterator[Delta]:

@@ -81,6 +81,7 @@ class GenerationStats:
     pipelined_rounds: int = 0  # rounds without a draft sent before the previous one's answer (see _lookup_stretch)
     follow_ups: int = 0  # target-only calls sent ahead with a lookup round (see _follow_up)
     follow_ups_used: int = 0  # ... that the round's outcome let run: each saved the target a round trip idle
+    continued_rounds: int = 0  # rounds whose call went on as target-only decoding (see Generation._continued_round)
     target_rounds: int = 0  # rounds the target drafted inside target-only calls with the gateway's rule
     checked_rounds: int = 0  # rounds whose first draft a one-token step checked on its own (see _checked_round)
     draft_n: int = 0
@@ -141,6 +142,7 @@ class GenerationStats:
             "pipelined_rounds": self.pipelined_rounds,
             "follow_ups": self.follow_ups,
             "follow_ups_used": self.follow_ups_used,
+            "continued_rounds": self.continued_rounds,
             "target_rounds": self.target_rounds,
             "checked_rounds": self.checked_rounds,
             "draft_compute_ms": round(self.draft_forward_ns / 1e6, 3),
@@ -215,6 +217,7 @@ class Generation:
         plain_burst_ms: float = PLAIN_BURST_MS,
         target_lookup: bool = True,
         check_first_draft: str = "never",
+        continue_rounds: bool = True,
     ) -> None:
         self.up = upstreams
         self.plain_pipeline = plain_pipeline
@@ -265,6 +268,9 @@ class Generation:
         seeded = request.sampling.seed is not None and not request.sampling.greedy
         usable = self._service_repeat > 0 and (request.adaptive or not seeded)
         self._check_first = check_first_draft if usable else "never"
+        # A draft service's round likely to fail at once goes on as target-only decoding in the same call, where the
+        # target can (its Info's continues_rounds), instead of carrying a follow-up call (see _continued_round).
+        self._continues_rounds = continue_rounds and self._service_repeat > 0 and upstreams.target_info.continues_rounds
         self._finished = False  # set by _lookup_stretch when the generation ended inside it
         self._repeats = RepeatWatches()  # where the lookup could draft again (see _lookup_stretch)
         self._draft_open = False
@@ -430,6 +436,8 @@ class Generation:
                 ahead: asyncio.Task | None = None
                 follow: _FollowUp | None = None
                 stretch = False
+                went_on: list[pb.Token] = []  # a continued round's target-only tokens (see _continued_round)
+                went_on_ns = 0  # ... and the target's time computing them
                 try:
                     drafts, dists, draft_compute, proposed = await self._propose(k, round_span)
                     guess = self._guess
@@ -448,7 +456,12 @@ class Generation:
                             # the target's own token, as if every draft will be accepted.
                             tentative = [*drafts, guess]
                             ahead = asyncio.ensure_future(self._propose_rpc(tentative, len(drafts) + 1, round_span))
-                        if drafts and ahead is None and self._pipelines_lookup and worth_following_up(self.acceptance):
+                        follows = (
+                            drafts and ahead is None and self._pipelines_lookup and worth_following_up(self.acceptance)
+                        )
+                        if follows and self._continues_rounds:
+                            result, timing, went_on, went_on_ns = await self._continued_round(drafts, dists, round_span)
+                        elif follows:
                             verifying = asyncio.ensure_future(self._verify(drafts, dists, round_span))
                             follow = self._follow_up()  # sent after the round's call, so the target runs it after
                             result, timing = await verifying
@@ -477,12 +490,20 @@ class Generation:
                 if drafts:
                     self.stats.observe_round(len(drafts), result.num_accepted)
                 self._keep_lookahead(drafts, result)
-                round_ns = time.perf_counter_ns() - round_start
+                if went_on:
+                    self._lookahead = []  # it continues the round's drafts, which the target's own tokens went past
+                round_ns = time.perf_counter_ns() - round_start - went_on_ns
                 self._learn(drafts, result, timing, draft_compute, proposed, round_ns)
                 if m:
                     m.observe_round(len(drafts), result.num_accepted, round_ns, draft_compute + verify_compute)
                 try:
                     for token in result.tokens:
+                        last = self._emitted(token)
+                        yield token
+                        if last:
+                            return
+                    for token in went_on:  # the target decoded on to the next repeat: the main loop asks from there
+                        self._draftless_round(counted=False)
                         last = self._emitted(token)
                         yield token
                         if last:
@@ -604,6 +625,54 @@ class Generation:
             call.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _continued_round(
+        self, drafts: list[int], dists: list, round_span: trace.Span
+    ) -> tuple[pb.VerifyResult, pb.Timing, list[pb.Token], int]:
+        """A lookup round that goes on as target-only decoding in the same call (Info.continues_rounds), where a round
+        likely to fail at once would otherwise carry a follow-up call (`_follow_up`).
+
+        The call asks for `_plain_steps` tokens past the round's first, with the repeat floor as `stop_at_repeat`: after
+        the round the target decodes on its own until the sequence ends with a repeat the draft service could draft
+        behind, as the stretch that would follow the round does, whatever the round accepted. One message each way
+        where a round and its follow-up took two (and the target skipped the follow-up, a message each way for nothing,
+        whenever the round accepted a draft); and after a round that accepted drafts and ended on no repeat, no round
+        trip before that stretch's first call. The round's tokens arrive with the rest, a burst later.
+
+        Returns the round's own answer and timing (as a plain Verify of the drafts would), the target-only tokens after
+        it, and their forward time (not the round's)."""
+        room = self.req.max_tokens - self._produced - 1  # after the round's first token
+        if room <= 0:
+            result, timing = await self._verify(drafts, dists, round_span)
+            return result, timing, [], 0
+        steps = 1 + self._plain_steps(room)
+        result, timing = await self._verify(drafts, dists, round_span, steps=steps, stop_at_repeat=self._repeat_floor())
+        own = result.lookup_rounds[0]  # the round itself: offset 0, match_len 0
+        n = own.accepted + 1
+        went_on = list(result.tokens[n:])
+        plain_ns = timing.forward_ns - own.forward_ns
+        self.stats.continued_rounds += 1
+        if went_on:
+            plain_steps = max(timing.steps - 1, 1)
+            self.stats.pipelined_rounds += len(went_on)
+            self.costs.observe_verify(timing.step_tokens, timing.step_sequences, plain_ns // plain_steps)
+            self.costs.observe_plain_step(plain_ns // plain_steps)
+            if self.metrics:
+                self.metrics.observe_round(0, 0, plain_ns, plain_ns)
+        round_result = pb.VerifyResult(
+            session_id=result.session_id,
+            num_accepted=own.accepted,
+            tokens=result.tokens[:n],
+            position=result.position,  # where the session is: past the tokens after the round too
+        )
+        round_timing = pb.Timing(
+            forward_ns=own.forward_ns,
+            total_ns=timing.total_ns - plain_ns,
+            step_sequences=own.step_sequences,
+            step_tokens=own.step_tokens,
+            steps=1,
+        )
+        return round_result, round_timing, went_on, plain_ns
 
     def _follow_up(self) -> _FollowUp | None:
         """A lookup stretch's first call, sent with a lookup round's Verify, for the case that the round ends at its

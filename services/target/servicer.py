@@ -46,11 +46,13 @@ class _PlainRun:
     """One multi-token call's progress between its steps. `then` runs where each step ran (the engine thread, or the
     serving thread for an inline step) and says what to compute next: see StepScheduler.batched."""
 
-    def __init__(self, specs: list[VerifySpec], steps: list[int], lookups: list[LookupRule | None]) -> None:
+    def __init__(
+        self, specs: list[VerifySpec], steps: list[int], lookups: list[LookupRule | None], repeats: list[int]
+    ) -> None:
         self.specs = specs
         self.chains = [
-            PlainChain(spec.position, n, stop_at_repeat=spec.stop_at_repeat, lookup=rule)
-            for spec, n, rule in zip(specs, steps, lookups, strict=True)
+            PlainChain(spec.position, n, stop_at_repeat=repeat, lookup=rule, drafts=tuple(spec.draft_tokens))
+            for spec, n, rule, repeat in zip(specs, steps, lookups, repeats, strict=True)
         ]
         self.results: list[VerifyResult] | None = None
         self.going = list(range(len(specs)))  # items that want more tokens
@@ -101,6 +103,11 @@ class _PlainRun:
                 for i in self.going
             ]
         )
+
+
+def _continues(item: pb.VerifyItem) -> bool:
+    """Whether an item is a round that goes on as target-only decoding (drafts and plain_steps: continues_rounds)."""
+    return bool(item.draft_token_ids) and item.plain_steps > 1
 
 
 def _lookup_rule(item: pb.VerifyItem) -> LookupRule | None:
@@ -185,6 +192,7 @@ class TargetServicer(pb_grpc.TargetServicer):
         msg = serving_stats(info_pb(v.engine), v.store, self.scheduler)
         msg.synthetic_acceptance = v.synthetic_label
         msg.prompt_lookup = True
+        msg.continues_rounds = True
         return msg
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
@@ -228,7 +236,8 @@ class TargetServicer(pb_grpc.TargetServicer):
                 else None,
                 item.bonus_guess if item.HasField("bonus_guess") else None,
                 frozenset(item.unless_pending_in),
-                stop_at_repeat=item.stop_at_repeat,
+                # A round that goes on (drafts and plain_steps) ends at a repeat; it is never skipped for one.
+                stop_at_repeat=0 if _continues(item) else item.stop_at_repeat,
                 if_pending=item.if_pending if item.HasField("if_pending") else None,
             )
             for item in request.items
@@ -237,7 +246,7 @@ class TargetServicer(pb_grpc.TargetServicer):
         lookups = [_lookup_rule(item) for item in request.items]
         before = {self._chains[spec.session_id] for spec in specs if spec.session_id in self._chains}
         if max(steps, default=1) > 1 or any(lookups):
-            run = _PlainRun(specs, steps, lookups)
+            run = _PlainRun(specs, steps, lookups, [item.stop_at_repeat for item in request.items])
             results = await self._in_order(before, specs, lambda: self._plain_chains(run))
             # The plain steps' mean shape against their mean forward time: a point the caller's cost model can fit
             # (the last step's shape against the mean time was not, once other sessions joined some of the steps).
@@ -301,9 +310,8 @@ class TargetServicer(pb_grpc.TargetServicer):
 
     async def _plain_chains(self, run: _PlainRun) -> list[VerifyResult]:
         """Several plain tokens per item (`VerifyItem.plain_steps`), one scheduler step each, so that every step
-        still batches with other sessions' calls; `run` keeps the steps' count and times."""
-        if any(spec.draft_tokens for spec in run.specs):
-            raise InvalidArgument("plain_steps above 1 needs items without draft tokens")
+        still batches with other sessions' calls (an item's first step may verify its drafts: a round that goes on);
+        `run` keeps the steps' count and times."""
         return await self.scheduler.batched("verify", run.first(), then=run.then)
 
     async def VerifyStream(self, requests, context: grpc.aio.ServicerContext):

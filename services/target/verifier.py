@@ -59,7 +59,8 @@ class StepShape:
 
 @dataclass(frozen=True)
 class LookupRound:
-    """A round drafted here with the caller's prompt-lookup rule (VerifyItem.lookup), as the call reports it."""
+    """A round drafted here with the caller's prompt-lookup rule (VerifyItem.lookup), as the call reports it; or, with
+    match_len 0 at offset 0, the round of the caller's own drafts that a multi-step call went on from."""
 
     offset: int  # index of its first token among the call's tokens; it emitted accepted + 1 from there
     match_len: int
@@ -70,7 +71,8 @@ class LookupRound:
 
 @dataclass(frozen=True)
 class PlainChain:
-    """A call that decodes several plain tokens, one step each (`VerifyItem.plain_steps`), as one of its steps sees it.
+    """A call that decodes several plain tokens, one step each (`VerifyItem.plain_steps`), as one of its steps sees it;
+    its first step may verify the caller's drafts (`drafts`: a round that goes on as target-only decoding).
 
     The steps are separate verify specs, so that each one batches with other sessions; the chain lets the verifier
     answer an exact retry of the whole call from memory, as it does for a single step.
@@ -82,10 +84,11 @@ class PlainChain:
     stop_at_repeat: int = 0  # end the call once the sequence ends with this many tokens seen together before
     lookup: LookupRule | None = None  # the caller's prompt lookup, drafted here before each step
     earlier_rounds: tuple[LookupRound, ...] = ()  # lookup rounds of its earlier steps
+    drafts: tuple[int, ...] = ()  # the caller's own drafts, verified by the first step (a round that goes on)
 
     @property
     def key(self) -> tuple:
-        return ("plain", self.start, self.steps)
+        return ("plain", self.start, self.steps, self.drafts)
 
     def done(self, result: VerifyResult) -> bool:
         """Whether the call ends with this step's result: all its tokens are out, the last ended the text, or it left
@@ -270,6 +273,8 @@ class Verifier:
                 if spec.lookup_match:
                     drafted, accepted = len(spec.draft_tokens), result.num_accepted
                     rounds = (*rounds, LookupRound(len(chain.earlier), spec.lookup_match, drafted, accepted, step))
+                elif chain.drafts and spec.position == chain.start:  # the caller's round, which the call goes on from
+                    rounds = (LookupRound(0, 0, len(chain.drafts), result.num_accepted, step),)
                 result = dataclasses.replace(
                     result,
                     tokens=(*chain.earlier, *result.tokens),

@@ -1,11 +1,14 @@
 """Per run: the n-gram service rows' speedup, overhead share and calls per 100 tokens; target-only's overhead."""
-import json, sys
+
+import json
+import sys
 from collections import defaultdict
 from pathlib import Path
+
 here = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 W = ["edit", "summary", "chat", "json", "edit-t0.7", "chat-t0.7"]
 for run in sorted(p for p in here.iterdir() if (p / "results.json").exists()):
-    d = json.load(open(run / "results.json"))
+    d = json.loads((run / "results.json").read_text())
     rows = {(r["config"], r["workload"]): r for r in d["rows"]}
     agg = defaultdict(lambda: defaultdict(float))
     for rec in d["records"]:
@@ -19,7 +22,9 @@ for run in sorted(p for p in here.iterdir() if (p / "results.json").exists()):
             if r is None:
                 continue
             n = a["predicted_n"] / 100
-            calls = f"P{a['propose_calls']/n:.1f} V{a['verify_calls']/n:.1f} S{a.get('proposes_skipped', 0)/n:.1f}"
+            calls = (
+                f"P{a['propose_calls'] / n:.1f} V{a['verify_calls'] / n:.1f} S{a.get('proposes_skipped', 0) / n:.1f}"
+            )
             sp = f"{r['tok_s']:.0f} tok/s" if cfg == "target-only" else f"{r['speedup']:.2f}x"
             cells.append(f"{sp}, {r['overhead_pct']:.1f}%" + ("" if cfg == "target-only" else f" ({calls})"))
         print(f"| {run.name} | {cfg} | " + " | ".join(cells) + " |")
