@@ -79,7 +79,7 @@ RAW_PROMPTS = False
 
 
 async def chat(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int, **extra) -> dict:
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
+    body = {"messages": messages, "max_tokens": max_tokens, "timings_detail": True, "temperature": 0, **extra}
     endpoint = "chat/completions"
     if RAW_PROMPTS:
         body["prompt"] = "\n\n".join(m["content"] for m in body.pop("messages"))

@@ -326,6 +326,7 @@ def request_body(config: Config, workload: Workload, prompt: str, max_tokens: in
     body: dict = {
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
+        "timings_detail": True,
         "temperature": workload.temperature,
         "cache_prompt": False,  # llama-server: no prompt cache across repetitions (tandem's target runs without)
     }

@@ -327,7 +327,12 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(0.6)
             before = _read(stats_path)
             rounds_before = round_seconds_sum(client, gateway.address)
-            spec = {"max_tokens": args.max_tokens, "speculative.n_max": k, "speculative.adaptive": False}
+            spec = {
+                "max_tokens": args.max_tokens,
+                "timings_detail": True,
+                "speculative.n_max": k,
+                "speculative.adaptive": False,
+            }
             replies = []
             for _ in range(args.requests):
                 reply = client.post(f"{gateway.address}/v1/completions", json=body | spec)

@@ -8,7 +8,7 @@ A speculative round makes two such calls (Propose and Verify), so twice the echo
 costs a round on this host, however lean the services are. The echo also reports the CPU time each side spent per
 round trip (on two cores, what one process burns the other processes wait for). gRPC's own settings come from the
 environment as usual, e.g. `GRPC_EXPERIMENTS=-event_engine_client,-event_engine_listener` for the poller I/O that
-grpcio used before 1.80 (docs/benchmarks/cpu-2026-12-05-grpc-io).
+grpcio used before 1.80 (docs/decisions/0003-grpc-streams-and-io.md).
 """
 
 from __future__ import annotations

@@ -96,6 +96,26 @@ class SyntheticAcceptance:
         return n, bool(guess and n == k and u < reach)
 
 
+def synthetic_verifier(synthetic: SyntheticAcceptance) -> type:
+    """A Verifier whose outcomes are imposed by `synthetic` on the same logits rows (real compute, invalid text)."""
+    from services.target.verifier import Verifier
+    from tandem.acceptance import VerifyOutcome
+
+    class SyntheticVerifier(Verifier):
+        synthetic_label = synthetic.label
+
+        def decide(self, session, spec, rows) -> VerifyOutcome:
+            k = len(spec.draft_tokens)
+            n, guess_right = synthetic(k, spec.bonus_guess is not None, session.session_id)
+            n = min(n, k, len(rows) - 1)
+            own = self._pick(session, rows[n])
+            if n == k and guess_right:  # overlapped drafting: the draft's guess is right at the same rate
+                own = spec.bonus_guess
+            return VerifyOutcome(n, own)
+
+    return SyntheticVerifier
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--synth-len", type=float, required=True, help="mean acceptance length, bonus token included")
@@ -113,15 +133,13 @@ def main(argv: list[str] | None = None) -> None:
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     synthetic = SyntheticAcceptance(args.synth_len, args.synth_n_max, args.synth_seed)
 
-    def configure(verifier) -> None:
-        verifier.acceptance_override = synthetic
-        verifier.synthetic_label = synthetic.label
-        print(f"tandem: SYNTHETIC ACCEPTANCE ({synthetic.label}); benchmark only, text is not valid", flush=True)
+    verifier_class = synthetic_verifier(synthetic)
+    print(f"tandem: SYNTHETIC ACCEPTANCE ({synthetic.label}); benchmark only, text is not valid", flush=True)
 
     if args.colocated_gateway:
         from services.gateway.__main__ import main as gateway_main
 
-        gateway_main(["--colocate", *rest], configure)
+        gateway_main(["--colocate", *rest], verifier_class)
         return
 
     from services.target.__main__ import serve_target
@@ -129,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     from tandem.config import TargetSettings
 
     async def run(settings: TargetSettings) -> None:
-        await serve_target(settings, configure)
+        await serve_target(settings, verifier_class)
 
     service_main(TargetSettings, "tandem-target-synthetic", run, rest)
 

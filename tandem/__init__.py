@@ -1,8 +1,10 @@
 """tandem: speculative decoding across mismatched hardware.
 
 The shared core used by the three services: the llama.cpp engine wrapper with per-session KV state
-(`engine`, `sessions`), the lossless sampling math (`sampling`), configuration (`config`), typed errors
-(`errors`), the gRPC server scaffolding (`grpc_server`) and the generated contract (`tandem.v1`, from `make proto`).
+(`engine`, `sessions`), warping and sampling (`sampling`) and the lossless acceptance rule (`acceptance`), prompt
+lookup (`ngram`), continuous batching on one engine thread (`scheduler`, `worker`), configuration (`config`), typed
+errors (`errors`), the gRPC server scaffolding (`grpc_server`), telemetry, and the generated contract (`tandem.v1`,
+from `make proto`).
 """
 
 __version__ = "0.1.0"

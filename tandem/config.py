@@ -25,8 +25,7 @@ class EngineSettings(BaseSettings):
     device: str | None = Field(
         None,
         pattern=r"^(cpu|(gpu|cuda|rocm|hip|vulkan):\d+)$",
-        description="pin the process to one device before llama.cpp starts: 'cpu' hides every GPU (no GPU memory"
-        " at all), 'cuda:1' / 'rocm:0' / 'vulkan:0' shows only that one (it becomes device 0 inside the process)",
+        description="pin the process to one device ('cpu' hides every GPU; 'cuda:1' / 'vulkan:0' shows only that one)",
     )
     n_gpu_layers: int = Field(0, ge=-1, description="layers to offload to the GPU (-1 = all, 0 = CPU only)")
     main_gpu: int = Field(0, ge=0, description="GPU index the model is pinned to (with split_mode none)")
@@ -43,29 +42,24 @@ class EngineSettings(BaseSettings):
         16,
         ge=1,
         le=256,
-        description="session slots (KV sequences): live sessions at once; free slots keep finished sessions' KV"
-        " for prefix reuse",
+        description="session slots (KV sequences): how many sessions can be live at once",
     )
     prefix_cache: bool = Field(
         True,
-        description="keep a finished session's KV cells in its slot and reuse the longest shared prefix of a later"
-        " prompt (multi-turn chat, agents re-sending a system prompt); least recently used slots are reused first",
+        description="keep a finished session's KV cells to reuse the longest prefix a later prompt shares with them",
     )
     cache_type_k: KvCacheType = Field("f16", description="KV cache type for keys (q8_0 halves the memory)")
     cache_type_v: KvCacheType = Field("f16", description="KV cache type for values (quantised V needs flash attention)")
+    # auto: faster on a GPU, slower on the CPU. On the CPU, 'on' makes batched verification bit-identical to one-token
+    # decoding (greedy speculative text then equals target-only text), at the cost of slower one-token steps.
     flash_attn: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="flash attention; auto: on when layers run on a GPU (70B target-only on an H200: 55.2 against"
-        " 48.9 tok/s) or the V cache is quantised (which needs it), off on the CPU (a 1,000-token context decoded ~25%"
-        " slower with it on a 2-core CPU). On the CPU, 'on' makes batched verification bit-identical to one-token"
-        " decoding, so greedy speculative text equals target-only text exactly (one-token steps ~1.5x slower there)",
+        "auto", description="flash attention; auto: on when layers run on a GPU or the V cache is quantised, else off"
     )
+    # off keeps a session's numerics independent of the others' (temperature-0 text under load equals the same request
+    # alone, on the CPU); on a GPU, batched steps over per-session slices are slower and kernels vary by batch anyway.
     kv_unified: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="on: one KV buffer shared by all sessions; off: one slice per session, so a session's numerics do"
-        " not depend on the others (temperature-0 text under load equals the same request alone, on the CPU); auto:"
-        " on when layers are offloaded to a GPU, where batched steps over per-session slices ran ~1.5x slower"
-        " (8B on an H200) and GPU kernels differ by batch size anyway, off on the CPU",
+        description="on: one KV buffer for all sessions; off: one slice per session; auto: on when offloaded to a GPU",
     )
 
     def resolved_flash_attn(self, on_gpu: bool) -> bool:
@@ -76,22 +70,14 @@ class EngineSettings(BaseSettings):
     def resolved_kv_unified(self, on_gpu: bool) -> bool:
         return self.kv_unified == "on" or (self.kv_unified == "auto" and on_gpu)
 
-    extra_buffers: bool = Field(
-        False,
-        description="let llama.cpp repack CPU weights into extra buffer types (AMX...); off because the AMX path of"
-        " llama-cpp-python 0.3.36 segfaults on Sapphire Rapids CPUs",
-    )
+    # Off by default: the AMX path of llama-cpp-python 0.3.36 segfaults on Sapphire Rapids CPUs.
+    extra_buffers: bool = Field(False, description="let llama.cpp repack CPU weights into extra buffer types (AMX...)")
     session_idle_timeout_s: float = Field(300.0, gt=0, description="close sessions idle for longer than this")
+    # see docs/decisions/0002-openmp-spin-wait.md
     omp_spin_count: int = Field(
         10000,
         ge=-1,
-        description="how long llama.cpp's OpenMP workers spin for the next forward pass before they sleep"
-        " (GOMP_SPINCOUNT, set for the process unless the environment sets it; -1 = libgomp's default of 300,000)."
-        " Spinning through a round trip to another process takes a core from it: on a 2-core CPU, 10,000 took the"
-        " n-gram draft service's overhead from 8.5-11.1% to 7.9-9.8% of a round, with target-only decoding at"
-        " 0.99-1.07x its speed (docs/benchmarks/cpu-2026-12-04-omp-spin-quiet). Less does not help: 1,000 was no"
-        " better, and 0 made decoding 3.5x slower, since the count also governs every barrier inside a pass"
-        " (docs/benchmarks/cpu-2026-12-05-omp-spin-low)",
+        description="how long llama.cpp's OpenMP workers spin before sleeping (GOMP_SPINCOUNT; -1 = libgomp's default)",
     )
 
     def pin_device(self) -> None:
@@ -179,10 +165,6 @@ def pin_colocated(*models: EngineSettings) -> None:
             model.split_mode = "none"
         model.device = None  # pinned here: Engine must not pin again
 
-    def resolved_threads(self) -> tuple[int, int]:
-        n = self.n_threads or os.cpu_count() or 1
-        return n, self.n_threads_batch or n
-
 
 class ServiceSettings(EngineSettings):
     host: str = Field("127.0.0.1", description="address to listen on; anything but loopback is an explicit choice")
@@ -202,15 +184,15 @@ class ServiceSettings(EngineSettings):
         20.0,
         ge=0,
         le=1000,
-        description="how long a step may wait for the calls the last step answered to come back, so that they stay"
-        " in one batch (also at most half the last step's time; 0 = start at the first call)",
+        description="how long a step waits for the last step's callers to return, to batch them (0 = no wait)",
     )
+    # auto is off for a CPU model: llama.cpp's OpenMP keeps a worker pool per calling thread, and a second pool in the
+    # process slows every CPU forward pass. Other calls wait at most one step. See
+    # docs/decisions/0011-retired-experiments.md
     single_stream_inline: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="with one active session, run its steps on the serving thread itself instead of handing each"
-        " call to the engine thread and back (saves 0.1-0.4 ms a call; other calls wait at most one step). auto: on"
-        " for a GPU model or the n-gram drafter, off for a CPU model (llama.cpp's OpenMP keeps a worker pool per"
-        " calling thread, and a second pool in the process slows every CPU forward pass, measured)",
+        description="with one active session, run its steps on the serving thread"
+        " (auto: on for a GPU model or the n-gram drafter)",
     )
 
     def inline_steps(self, backend: str | None) -> bool:
@@ -233,8 +215,8 @@ class TargetSettings(ServiceSettings):
 
     verify_mode: Literal["batched", "sequential"] = Field(
         "batched",
-        description="batched: verify all draft tokens in one forward pass (fast, logits differ slightly from one-token"
-        " decoding); sequential: one pass per token (bit-identical to target-only decoding, k times the cost)",
+        description="batched: verify all draft tokens in one forward pass"
+        "; sequential: one pass a token (bit-identical to target-only)",
     )
 
 
@@ -253,21 +235,8 @@ class DraftSettings(ServiceSettings):
     ngram_min: int = Field(
         NGRAM_MIN, ge=1, le=32, description="n-gram drafter: shortest suffix to match (shorter matches draft noise)"
     )
-    ngram_scaled: bool = Field(
-        True,
-        description="n-gram drafter: a suffix matched over m tokens drafts at most m - 1 tokens (off: always the"
-        " full draft length)",
-    )
     draft_support: int = Field(
         256, ge=1, le=4096, description="model drafter, sampling: tokens kept in the draft distribution it sends"
-    )
-    catch_up: Literal["stepwise", "batched"] = Field(
-        "stepwise",
-        description="model drafter: how its KV takes in the tokens of the last round it has not seen (after a fully"
-        " accepted round: the last draft token and the target's own). stepwise: one token a pass, one-token numerics,"
-        " so a same-model draft agrees with the target bit for bit, and on CUDA a one-token pass is the fast one (a"
-        " 1B draft on an H200: ~1 ms against ~4.4 ms for two tokens in one pass); batched: one pass (a CPU draft's"
-        " two-token pass costs less than two one-token passes)",
     )
 
 
@@ -282,94 +251,59 @@ class GatewaySettings(BaseSettings):
     draft: str | None = Field("127.0.0.1:50052", description="draft service address (empty = target only)")
     local_ngram: bool = Field(
         False,
-        description="draft by prompt lookup inside the gateway instead of calling a draft service (--draft is then"
-        " not used): the same n-gram drafter as the service's, without a Propose RPC per round (~1 ms each on a small"
-        " CPU box)",
+        description="draft by prompt lookup inside the gateway instead of calling a draft service (--draft unused)",
     )
-    local_ngram_min: int = Field(
-        NGRAM_MIN,
-        ge=1,
-        le=32,
-        description="--local-ngram: shortest suffix match that drafts. Longer minimums draft less often but only inside"
-        " text that really repeats (llama-server's ngram-simple waits for 12 tokens); on the CPU build that also keeps"
-        " batched verification from flipping near-ties in free prose",
-    )
+    # Longer minimums draft less often, but only inside text that really repeats (fewer near-ties flipped in prose).
+    local_ngram_min: int = Field(NGRAM_MIN, ge=1, le=32, description="--local-ngram: shortest suffix match that drafts")
     local_ngram_max: int = Field(NGRAM_MAX, ge=1, le=32, description="--local-ngram: longest suffix to look up")
+    # see docs/decisions/0010-target-side-lookup.md
     target_lookup: bool = Field(
         True,
-        description="--local-ngram with pipelined calls: between the gateway's own rounds, the target drafts with"
-        " the gateway's lookup rule inside its target-only calls (VerifyItem.lookup), so a short draft costs no round"
-        " trip of its own (two idle gaps at the target, ~3 ms a round on the 2-core CPU); used when the target's Info"
-        " declares prompt_lookup",
+        description="--local-ngram: the target drafts by the gateway's lookup rule in target-only calls, if supported",
     )
+    # see docs/decisions/0009-lookup-stretches-follow-ups-continued-rounds.md
     continue_rounds: bool = Field(
         True,
-        description="an n-gram draft service: a round whose drafts are likely to fail at once asks the target to go on"
-        " decoding on its own after it, up to the next repeat the service could draft behind, in the same call"
-        " (VerifyItem.plain_steps with drafts), instead of a second call sent behind it that the target skips whenever"
-        " the round accepted a draft; used when the target's Info declares continues_rounds",
+        description="n-gram draft service: a round likely to fail asks the target to keep decoding in the same call",
     )
-    check_first_draft: Literal["auto", "always", "never"] = Field(
-        "never",
-        description="an n-gram draft service: check a round's first draft with a one-token step sent with the"
-        " Propose and verify the rest behind it only if it held; saves verifying drafts that fail at once, at the cost"
-        " of the first draft's place in a batched step and a message. auto: where the measured step costs and the"
-        " request's acceptance say it pays (a second token in a step costing about as much as the first, as on CPUs;"
-        " never on a GPU); always: every round. Not for seeded sampled requests with a fixed k (their random stream"
-        " would change). On the 2-core CPU, auto made the service at a fixed k = 8 1.14-1.20x of target-only on json"
-        " instead of 0.89-0.91x and 0.94-0.95x on chat instead of 0.87-0.91x, while with adaptive k it lost on up to"
-        " three workloads (docs/benchmarks/cpu-2026-12-05-checked-rounds); off by default. The text at temperature 0"
-        " can then follow the load (the step's shape flips near-ties)",
-    )
+    # For models on one host and one llama.cpp build; see docs/decisions/0006-colocation.md
     colocate: bool = Field(
         False,
-        description="load the target (and, unless --draft is empty, the draft) into the gateway's own process and call"
-        " them without gRPC, with their settings from the TANDEM_TARGET_* / TANDEM_DRAFT_* variables (--target and"
-        " --draft addresses are then not used). For models on one host and one llama.cpp build: saves the ~2.4-3 ms"
-        " of gRPC per speculative round measured on an H200 host",
+        description="run the target and draft in the gateway's process, without gRPC"
+        " (settings: TANDEM_TARGET_*/TANDEM_DRAFT_*)",
     )
     model_name: str | None = Field(None, description="model id served on /v1/models (default: the target's name)")
+    # see docs/decisions/0001-default-draft-lengths.md
     n_max: int | None = Field(
         None,
         ge=0,
         le=64,
-        description="default draft tokens per round (0 = no speculation). Unset: 8 for a model drafter, 32 for an"
-        " n-gram drafter, whose confidence rule sizes each draft itself (CPU benchmark, code edits: 1.87x at 32"
-        " against 1.68x at 8, the other workloads within noise)",
+        description="default draft tokens per round (0 = no speculation; unset: 8 for a model drafter, 32 for n-gram)",
     )
     n_min: int = Field(0, ge=0, le=64, description="drafts shorter than this are not verified")
+    # Off by default: on a shared device the draft and the target compete and it loses (the compose file and the chart
+    # turn it on, with the draft on another device). See docs/decisions/0011-retired-experiments.md
     overlap_draft: bool = Field(
         False,
-        description="model drafters: while the target verifies a round, the draft already drafts the next one as if"
-        " every token will be accepted (kept when that holds, rewound when not). Turn it on when the draft runs on"
-        " another device (the compose file and the chart do): on a shared device the two compete and it loses",
+        description="model drafters: draft the next round while the target verifies this one (draft on another device)",
     )
+    # Choices follow measured timings, so temperature-0 text can differ at a near-tie between runs; seeded sampled
+    # requests keep a fixed k unless they ask for adaptive k. See docs/decisions/0001-default-draft-lengths.md
     adaptive_k: bool = Field(
-        True,
-        description="choose each round's draft length in n_min..n_max from the measured cost of verification and"
-        " the request's running acceptance (by match length for n-gram drafters, the gateway's and the draft"
-        " service's; by draft position for a model drafter; fewer draft tokens when many requests share a step). On"
-        " the CPU benchmark it is within 2% of the best fixed k on every workload for both drafters and beats the"
-        " default k on average. Its choices follow measured timings, so a temperature-0 request can differ at a"
-        " near-tie from one run to the next; seeded sampled requests keep a fixed k unless they ask for adaptive k",
+        True, description="choose each round's draft length in n_min..n_max from verification cost and acceptance"
     )
+    # Above 1, prompt lookup also sends the rounds between its drafts this way, as calls the target ends at the next
+    # repeat. See docs/decisions/0008-target-only-pipelining-and-plain-burst.md
     plain_pipeline: int = Field(
-        2,
-        ge=1,
-        le=4,
-        description="target-only decoding: Verify calls kept in flight per request, so the target starts the next"
-        " token without waiting a round trip for the gateway (1 = one at a time). Above 1, prompt lookup (the"
-        " gateway's --local-ngram, or an n-gram draft service) sends the rounds between its drafts the same way, as"
-        " calls the target ends at the next repeat the lookup could draft behind (1: a round, and for a draft"
-        " service a Propose, per token there)",
+        2, ge=1, le=4, description="target-only decoding: Verify calls kept in flight per request (1 = one at a time)"
     )
+    # see docs/decisions/0008-target-only-pipelining-and-plain-burst.md
     plain_burst_ms: float = Field(
         100.0,
         ge=0,
         le=1000,
-        description="target-only decoding: each Verify call asks for as many tokens as the target computes in this"
-        " long (its measured step; at most 16), so that one message each way carries several tokens where steps are"
-        " short; those tokens then reach the client together. 0: one token per call",
+        description="target-only decoding: each Verify call asks for the tokens the target computes in this long"
+        " (at most 16; 0 = one)",
     )
     max_tokens_default: int = Field(512, ge=1, description="max_tokens when the request gives none")
     rpc_timeout_s: float = Field(30.0, gt=0, description="deadline of each gRPC call")

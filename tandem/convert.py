@@ -61,15 +61,16 @@ def dist_from_pb(msg: pb.SparseDistribution, n_vocab: int) -> SparseDist:
 
 def serving_stats(msg: pb.InfoResponse, store, scheduler) -> pb.InfoResponse:
     """Fill an Info answer's live figures: sessions, KV use, batching and prefix-cache counters."""
-    msg.active_sessions = len(store)
-    msg.kv_tokens = store.kv_tokens
-    msg.cached_tokens = store.cached_tokens
-    msg.reused_prompt_tokens = store.reused_tokens
+    load = msg.load
+    load.active_sessions = len(store)
+    load.kv_tokens = store.kv_tokens
+    load.cached_tokens = store.cached_tokens
+    load.reused_prompt_tokens = store.reused_tokens
     if scheduler is not None:
-        msg.batched_steps = scheduler.steps
-        msg.batched_calls = scheduler.batched_groups
-        msg.max_step_calls = scheduler.max_groups_seen
-        msg.inline_steps = scheduler.inline_steps
+        load.batched_steps = scheduler.steps
+        load.batched_calls = scheduler.batched_groups
+        load.max_step_calls = scheduler.max_groups_seen
+        load.inline_steps = scheduler.inline_steps
     return msg
 
 
@@ -90,8 +91,7 @@ def info_pb(engine: Engine, drafter: str = "", active_sessions: int = 0, kv_toke
         drafter=drafter,
         bos_text=engine.bos_text,
         eos_text=engine.eos_text,
-        active_sessions=active_sessions,
-        kv_tokens=kv_tokens,
+        load=pb.Load(active_sessions=active_sessions, kv_tokens=kv_tokens),
     )
     if engine.bos_id is not None:
         msg.bos_token_id = engine.bos_id

@@ -30,8 +30,7 @@ class PositionMismatch(TandemError):
 
 
 class ConditionNotMet(TandemError):
-    """A conditional call's condition did not hold (VerifyItem.unless_pending_in, if_pending, stop_at_repeat): nothing
-    changed."""
+    """A conditional call's condition did not hold (Continuation.stop_at_repeat): nothing changed."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
 

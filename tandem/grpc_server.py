@@ -12,10 +12,9 @@ import hmac
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,7 +26,6 @@ from tandem.errors import TandemError
 from tandem.telemetry import context_from_metadata, tracer, tracing_on
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 SERVER_OPTIONS = [
@@ -108,8 +106,8 @@ async def stream_replies(
 
     def server_span(request: Any) -> AbstractContextManager[Span]:
         """The call's server span; none where there is nothing to record (no trace context sent and no tracer
-        provider here): under load, the context extraction and a no-op span took ~55 us a call on the 2-core CPU
-        (docs/benchmarks/cpu-2026-12-05-grpc-io)."""
+        provider here), which spares every call the context extraction and a no-op span (see
+        docs/decisions/0003-grpc-streams-and-io.md)."""
         if not request.trace_context and not tracing_on():
             return nullcontext(INVALID_SPAN)
         parent = propagate.extract(dict(request.trace_context))
@@ -187,25 +185,6 @@ def server_credentials(cert: Path | None, key: Path | None, client_ca: Path | No
         root_certificates=client_ca.read_bytes() if client_ca else None,
         require_client_auth=client_ca is not None,
     )
-
-
-class EngineWorker:
-    """Runs blocking engine work on one dedicated thread, so llama.cpp is never entered twice at once."""
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.closed = False  # shut down: no more engine work, on its thread or inline on another
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def submit(self, fn: Callable[[], Any]) -> None:
-        """Start fn on the engine thread (the step scheduler's loop), without waiting for it."""
-        self._pool.submit(fn)
-
-    def shutdown(self) -> None:
-        self.closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 async def serve(

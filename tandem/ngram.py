@@ -144,7 +144,7 @@ def best_draft_length(
 @dataclass(frozen=True)
 class LookupRule:
     """How a caller's prompt lookup drafts, for a target that drafts with it inside target-only calls
-    (`VerifyItem.lookup`): the gateway's rule, applied by the target to the same sequence, so each side would
+    (`Continuation.lookup`): the gateway's rule, applied by the target to the same sequence, so each side would
     draft the same tokens at the same position.
 
     At each step the target looks the sequence's suffix up (`ngram_draft_matched` on an index of suffixes of
@@ -214,7 +214,7 @@ class RepeatWatch:
     """Whether a growing sequence ends with an n-gram that occurred earlier in it: where prompt lookup can draft.
 
     The gateway's lookup drafts only behind a suffix match of at least some length n. A target-only call that
-    decodes several tokens (`VerifyItem.stop_at_repeat`) must stop at the first token after which the lookup could
+    decodes several tokens (`Continuation.stop_at_repeat`) must stop at the first token after which the lookup could
     draft, and the gateway must tell, from the tokens it got back, whether the call behind it will be skipped. Both
     sides ask this class the same question about the same sequence, so they cannot disagree.
 

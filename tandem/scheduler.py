@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from tandem.errors import TandemError
-from tandem.grpc_server import EngineWorker
+from tandem.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 S = TypeVar("S")

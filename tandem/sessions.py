@@ -42,9 +42,9 @@ class Session:
     #: Logits of the last prompt token (target). Kept with the slot, so that a repeat of the same prompt starts from
     #: the very row a cold prefill computed (recomputing it alone can round differently and change greedy text).
     prompt_row: Any = None
-    #: Where the caller's prompt lookup could draft (VerifyItem.stop_at_repeat); built on first use.
+    #: Where the caller's prompt lookup could draft (Continuation.stop_at_repeat); built on first use.
     repeats: RepeatWatches | None = None
-    #: The caller's prompt lookup run here (VerifyItem.lookup): an index of the sequence; built on first use.
+    #: The caller's prompt lookup run here (Continuation.lookup): an index of the sequence; built on first use.
     lookup_index: NgramIndex | None = None
 
     @property

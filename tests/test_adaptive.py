@@ -12,7 +12,6 @@ from services.gateway.adaptive import (
     CostModel,
     DraftLengthPolicy,
     MatchLengthPolicy,
-    worth_checking_first,
     worth_drafting_ahead,
 )
 from tandem.ngram import LookupRule, NgramIndex
@@ -227,51 +226,6 @@ def test_drafting_ahead_only_when_the_whole_round_is_likely_accepted() -> None:
     assert worth_drafting_ahead(sure, 4)
     assert not worth_drafting_ahead(unsure, 4)
     assert not worth_drafting_ahead(AcceptanceTracker(8), 4)  # no evidence yet: the prior (0.5 a position) says no
-
-
-def lone_steps(ms_by_size: dict[int, float], sequences: int = 1) -> CostModel:
-    costs = CostModel()
-    for _ in range(3):  # SIZE_TRUSTED observations each
-        for tokens, ms in ms_by_size.items():
-            costs.observe_verify(tokens * sequences, sequences, int(ms * 1e6))
-    return costs
-
-
-def tracker_with_first_rate(rate: float, rounds: int = 200) -> AcceptanceTracker:
-    tracker = AcceptanceTracker(8)
-    hits = 0
-    for i in range(rounds):  # a deterministic sequence with the given share of first drafts accepted
-        hit = (i + 1) * rate >= hits + 1
-        hits += hit
-        tracker.observe(8, 8 if hit else 0)
-    return tracker
-
-
-CPU_STEPS = {1: 6.0, 2: 12.0, 3: 15.0, 5: 21.0, 8: 30.0, 9: 33.0}  # ms: 1, 2, then +0.5 of a one-token step a token
-GPU_STEPS = {1: 20.0, 2: 20.2, 5: 20.8, 8: 21.4, 9: 21.6}  # a 70B target: a few more tokens cost next to nothing
-
-
-@pytest.mark.parametrize("first_rate", [0.2, 0.5, 0.7])
-def test_checking_the_first_draft_pays_on_a_cpu_when_it_often_fails(first_rate: float) -> None:
-    """Where a second token costs a whole step, a check costs 6 + a0 * 30 ms against 33 for the whole k = 8 round:
-    it pays below a0 = 0.9."""
-    tracker = tracker_with_first_rate(first_rate)
-    assert tracker.rate(0) == pytest.approx(first_rate, abs=0.05)
-    assert worth_checking_first(tracker, lone_steps(CPU_STEPS), 8)
-
-
-def test_checking_the_first_draft_does_not_pay_when_it_holds_or_on_a_gpu() -> None:
-    assert not worth_checking_first(tracker_with_first_rate(0.95), lone_steps(CPU_STEPS), 8)
-    for rate in (0.05, 0.5, 0.95):  # step(1) + step(8) > step(9) whatever the first draft does: never
-        assert not worth_checking_first(tracker_with_first_rate(rate), lone_steps(GPU_STEPS), 8)
-
-
-def test_checking_the_first_draft_needs_known_lone_steps() -> None:
-    tracker = tracker_with_first_rate(0.2)
-    assert not worth_checking_first(tracker, CostModel(), 8)  # nothing measured yet
-    assert not worth_checking_first(tracker, lone_steps({1: 6.0}), 8)  # one size: nothing to extend from
-    assert not worth_checking_first(tracker, lone_steps(CPU_STEPS, sequences=4), 8)  # shared steps: not lone costs
-    assert not worth_checking_first(tracker, lone_steps(CPU_STEPS), 0)
 
 
 def test_match_policy_sends_the_whole_proposal_until_the_cost_is_known() -> None:

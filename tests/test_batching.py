@@ -50,8 +50,8 @@ def test_concurrent_requests_share_steps_and_keep_their_text(gateway: Service, t
         together = _concurrent(gateway, **spec)
         after = _info(target.address)
         assert [_text(r) for r in together] == [_text(r) for r in alone], spec
-        assert after.batched_calls > before.batched_calls
-        assert after.max_step_calls >= 2  # at least one engine step verified several sessions at once
+        assert after.load.batched_calls > before.load.batched_calls
+        assert after.load.max_step_calls >= 2  # at least one engine step verified several sessions at once
 
 
 def test_model_draft_batches_proposals(model_gateway: Service, model_draft: Service) -> None:
@@ -59,8 +59,8 @@ def test_model_draft_batches_proposals(model_gateway: Service, model_draft: Serv
     replies = _concurrent(model_gateway, **{"speculative.n_max": 4, "speculative.adaptive": False})
     after = _info(model_draft.address, pb_grpc.DraftStub)
     assert all(r["timings"]["draft_n"] > 0 for r in replies)
-    assert after.batched_calls > before.batched_calls
-    assert after.max_step_calls >= 2
+    assert after.load.batched_calls > before.load.batched_calls
+    assert after.load.max_step_calls >= 2
 
 
 def test_second_turn_reuses_the_first_turns_cells(gateway: Service, target: Service) -> None:
@@ -71,8 +71,8 @@ def test_second_turn_reuses_the_first_turns_cells(gateway: Service, target: Serv
     turn2 = [*turn1, {"role": "assistant", "content": _text(first)}, {"role": "user", "content": "And a shape?"}]
     second = _chat(gateway, turn2, max_tokens=16)
     after = _info(target.address)
-    reused = after.reused_prompt_tokens - before.reused_prompt_tokens
+    reused = after.load.reused_prompt_tokens - before.load.reused_prompt_tokens
     # Everything up to the end of the first answer is already in a free slot's cells.
     assert reused >= first["usage"]["prompt_tokens"], (reused, first["usage"])
     assert reused < second["usage"]["prompt_tokens"]
-    assert after.cached_tokens > 0
+    assert after.load.cached_tokens > 0

@@ -52,6 +52,7 @@ def _chat(gateway: Service, prompt: str, n_max: int, **extra) -> dict:
     body = {
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": 96,
+        "timings_detail": True,
         "temperature": 0,
         "logprobs": True,
         "speculative.n_max": n_max,

@@ -33,7 +33,7 @@ def _chat(gateway: Service, stream: bool = False, **extra) -> httpx.Response:
 
 def _active_sessions(address: str, stub_type) -> int:
     with grpc.insecure_channel(address) as channel:
-        return stub_type(channel).Info(pb.InfoRequest()).active_sessions
+        return stub_type(channel).Info(pb.InfoRequest()).load.active_sessions
 
 
 def _wait_for(predicate, timeout: float) -> bool:
@@ -249,9 +249,9 @@ def test_orphaned_sessions_expire(service_tmp: Path) -> None:
         with grpc.insecure_channel(target.address) as channel:
             stub = pb_grpc.TargetStub(channel)
             stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id="orphan", prompt_token_ids=[1, 504, 2573])]))
-            assert stub.Info(pb.InfoRequest()).active_sessions == 1
+            assert stub.Info(pb.InfoRequest()).load.active_sessions == 1
             # The expiry sweep runs every 5 s.
-            assert _wait_for(lambda: stub.Info(pb.InfoRequest()).active_sessions == 0, 12)
-            assert stub.Info(pb.InfoRequest()).kv_tokens == 0
+            assert _wait_for(lambda: stub.Info(pb.InfoRequest()).load.active_sessions == 0, 12)
+            assert stub.Info(pb.InfoRequest()).load.kv_tokens == 0
     finally:
         target.stop()

@@ -31,7 +31,7 @@ def client(gateway: Service) -> openai.OpenAI:
 
 # Tests that compare the text of two greedy requests pin the draft length. Adaptive k chooses from costs timed on
 # this machine, so two identical requests can verify in different batch shapes, and llama.cpp's batched matmuls then
-# round differently: a near-tie can flip (the README's "Lossless" section gives the numbers).
+# round differently: a near-tie can flip (docs/architecture.md, "Lossless").
 FIXED_K = {"speculative.adaptive": False}
 
 
@@ -149,7 +149,7 @@ def test_target_only_pipeline_stops_exactly_and_frees_the_session(
     assert cut == expected
     deadline = time.monotonic() + 5  # a streamed reply can end just before the gateway's Close reaches the target
     with grpc.insecure_channel(target.address) as channel:
-        while (active := pb_grpc.TargetStub(channel).Info(pb.InfoRequest()).active_sessions) and (
+        while (active := pb_grpc.TargetStub(channel).Info(pb.InfoRequest()).load.active_sessions) and (
             time.monotonic() < deadline
         ):
             time.sleep(0.05)

@@ -6,7 +6,7 @@ import tandem.engine as engine_module  # isort: skip  (llama_cpp first)
 import pytest
 
 from services.draft.drafters import ModelDrafter
-from tandem.config import DraftSettings, EngineSettings
+from tandem.config import EngineSettings
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
 from tandem.sessions import Session, make_rng
@@ -35,13 +35,13 @@ class CountingEngine:
         return getattr(self._engine, name)
 
 
-def _round_fully_accepted(engine: Engine, batched: bool) -> tuple[list[int], list[int], list[int]]:
+def _round_fully_accepted(engine: Engine) -> tuple[list[int], list[int], list[int]]:
     """Open a session, draft 3 tokens, commit them all plus one token of the target's own, then draft again.
 
     Returns the passes (tokens each) of the second proposal, its draft, and the first draft.
     """
     counting = CountingEngine(engine)
-    drafter = ModelDrafter(counting, batched_catch_up=batched)  # type: ignore[arg-type]
+    drafter = ModelDrafter(counting)  # type: ignore[arg-type]
     prompt = engine.tokenize("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")
     session = Session("s", 0, tuple(prompt), SamplingParams(temperature=0.0), make_rng(0), tokens=list(prompt))
     engine.clear(0)
@@ -56,19 +56,10 @@ def _round_fully_accepted(engine: Engine, batched: bool) -> tuple[list[int], lis
     return counting.passes, second, first
 
 
-def test_a_batched_catch_up_takes_a_fully_accepted_round_in_one_pass(engine: Engine) -> None:
-    """After a fully accepted round the draft lacks two tokens (its last draft token, the target's bonus): batched,
-    it takes both in one pass instead of two, and drafts the same tokens on from that row."""
-    stepwise_passes, stepwise_draft, first = _round_fully_accepted(engine, batched=False)
-    batched_passes, batched_draft, first_again = _round_fully_accepted(engine, batched=True)
-    assert first_again == first
-    # Catch-up, then a pass per further draft token (the last draft token is never decoded).
-    assert stepwise_passes == [1, 1, 1, 1]
-    assert batched_passes == [2, 1, 1]
-    assert batched_draft == stepwise_draft
-
-
-def test_catch_up_is_stepwise_unless_asked() -> None:
-    """Stepwise by default: on CUDA a two-token pass costs ~4x a one-token pass (measured on an H200)."""
-    assert DraftSettings().catch_up == "stepwise"
-    assert DraftSettings(catch_up="batched").catch_up == "batched"
+def test_the_catch_up_after_a_fully_accepted_round_is_stepwise(engine: Engine) -> None:
+    """After a fully accepted round the draft lacks two tokens (its last draft token, the target's bonus): it takes
+    them one a pass (one-token numerics, and on CUDA the cheap pass: docs/decisions/0007), then drafts on."""
+    passes, draft, first = _round_fully_accepted(engine)
+    assert len(first) == 3 and len(draft) == 3
+    # Catch-up one token a pass, then a pass per further draft token (the last draft token is never decoded).
+    assert passes == [1, 1, 1, 1]

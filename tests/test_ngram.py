@@ -280,7 +280,7 @@ def test_gateway_refuses_a_lookup_minimum_over_its_maximum() -> None:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_repeat_watch_answers_as_the_definition_while_the_sequence_grows(seed: int) -> None:
-    """RepeatWatch (the test behind VerifyItem.stop_at_repeat, on both sides of the call): after every growth step
+    """RepeatWatch (the test behind Continuation.stop_at_repeat, on both sides of the call): after every growth step
     of one to five tokens, whether the sequence ends with n tokens seen together earlier, for n from 1 to 6 (a small
     alphabet, so repeats of every length occur), through watches kept per n and rebuilt past the limit."""
     rng = random.Random(seed)
@@ -311,7 +311,6 @@ def test_ngram_drafter_proposes_exactly_behind_the_repeat_it_declares(
     the gateway would skip drafts), and here, where every length it declares is indexed, always propose behind one."""
     drafter = NgramDrafter(n_min, n_max, scaled)
     assert drafter.proposes_after_repeat == declared
-    assert drafter.match_uncapped == (not scaled)  # Info.match_uncapped: what the gateway's repeat floor assumes
     rng = random.Random(n_min * 10 + scaled)
     tokens = [rng.randrange(5) for _ in range(300)]  # a small alphabet: repeats of every length occur
     session = make_session(tokens[:1])

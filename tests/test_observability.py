@@ -24,6 +24,7 @@ EDIT = (
 FIXED_K_EDIT = {
     "messages": [{"role": "user", "content": EDIT}],
     "max_tokens": 48,
+    "timings_detail": True,
     "temperature": 0,
     "speculative.adaptive": False,
 }

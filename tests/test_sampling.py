@@ -18,27 +18,29 @@ from functools import cache
 import numpy as np
 import pytest
 
+from tandem.acceptance import (
+    ArgmaxRows,
+    VerifyOutcome,
+    WarpedRows,
+    acceptance_probability,
+    residual_distribution,
+    verify_greedy,
+    verify_stochastic,
+)
 from tandem.convert import dist_from_pb
 from tandem.errors import InvalidArgument
 from tandem.sampling import (
-    ArgmaxRows,
     SamplingParams,
     SparseDist,
-    VerifyOutcome,
-    WarpedRows,
     _inverse_cdf,
     _near_inverse_cdf,
     _temperature_weights,
     _tie_closed_top,
     _top_candidates,
-    acceptance_probability,
     draft_distribution,
-    residual_distribution,
     sample,
     sample_logits,
     truncate,
-    verify_greedy,
-    verify_stochastic,
     warp,
 )
 from tandem.v1 import tandem_pb2 as pb
@@ -700,11 +702,11 @@ def test_broken_rules_fail_the_exact_check(scenario: str, accept_fn: AcceptFn, r
 
 def test_broken_rules_fail_via_monkeypatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Same idea, patching the module so the enumerator's default arguments are bypassed too."""
-    import tandem.sampling as sampling
+    import tandem.acceptance as acceptance
 
     sc = SCENARIOS[0]
-    monkeypatch.setattr(sampling, "residual_distribution", _residual_is_p)
-    got = emitted_distribution(sc, 1, sampling.acceptance_probability, sampling.residual_distribution)
+    monkeypatch.setattr(acceptance, "residual_distribution", _residual_is_p)
+    got = emitted_distribution(sc, 1, acceptance.acceptance_probability, acceptance.residual_distribution)
     assert np.max(np.abs(got - autoregressive_distribution(sc))) > 1e-3
 
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import pytest
 
 from tandem.errors import InvalidArgument
-from tandem.grpc_server import EngineWorker
 from tandem.scheduler import DEFER, StepScheduler
+from tandem.worker import EngineWorker
 
 
 def run(coro):

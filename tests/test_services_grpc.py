@@ -52,7 +52,7 @@ def test_draft_model_has_same_fingerprint(target_channel: grpc.Channel, draft_ch
     d = pb_grpc.DraftStub(draft_channel).Info(pb.InfoRequest())
     assert d.drafter == "model"
     assert d.vocab_fingerprint == t.vocab_fingerprint
-    assert d.proposes_after_repeat == 0  # a model proposes anywhere
+    assert d.capabilities.proposes_after_repeat == 0  # a model proposes anywhere
 
 
 def test_ngram_draft_declares_the_repeat_it_needs_and_proposes_only_behind_one(
@@ -65,8 +65,7 @@ def test_ngram_draft_declares_the_repeat_it_needs_and_proposes_only_behind_one(
     with grpc.insecure_channel(ngram_draft.address) as channel:
         stub = pb_grpc.DraftStub(channel)
         info = stub.Info(pb.InfoRequest())
-        assert info.proposes_after_repeat == 2
-        assert not info.match_uncapped  # the default: an m-token match drafts at most m - 1 tokens
+        assert info.capabilities.proposes_after_repeat == 2
         sid = _sid()
         stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=tokens[:1], sampling=GREEDY)]))
         proposing = []
@@ -86,38 +85,6 @@ def test_ngram_draft_declares_the_repeat_it_needs_and_proposes_only_behind_one(
                 assert any(tokens[i : i + m] == suffix and tokens[i + m] == first for i in range(end - m)), end
         stub.Close(pb.CloseRequest(session_ids=[sid]))
     assert any(proposing) and not all(proposing)
-
-
-def test_gateway_asks_again_where_an_unscaled_service_can_draft(
-    target: Service, ngram_draft: Service, service_tmp
-) -> None:
-    """`Info.match_uncapped`: an n-gram service started with --no-ngram-scaled may draft a request's minimum of 2 tokens
-    behind a 2-token match, where the default confidence rule needs a 3-token one. The gateway's repeat floor (where
-    its target-only stretches stop to ask the service again) follows what each service declares."""
-    import asyncio
-
-    from services.gateway.speculative import Generation, GenerationRequest
-    from services.gateway.upstream import connect
-    from tandem.sampling import SamplingParams
-
-    async def floor(draft: Service) -> int:
-        up = await connect(target.address, draft.address, 60.0)
-        try:
-            request = GenerationRequest([1, 2, 3], SamplingParams(temperature=0.0), 64, 8, n_min=2)
-            return Generation(up, request, 60.0)._repeat_floor()  # costs unknown yet: every proposal is kept whole
-        finally:
-            await up.close()
-
-    flags = ["--drafter", "ngram", "--ngram-min", "2", "--no-ngram-scaled"]
-    unscaled = start_model_service("services.draft", flags, service_tmp)
-    try:
-        with grpc.insecure_channel(unscaled.address) as channel:
-            info = pb_grpc.DraftStub(channel).Info(pb.InfoRequest())
-        assert info.match_uncapped and info.proposes_after_repeat == 2
-        assert asyncio.run(floor(unscaled)) == 2
-        assert asyncio.run(floor(ngram_draft)) == 3
-    finally:
-        unscaled.stop()
 
 
 def test_health_and_reflection(target_channel: grpc.Channel) -> None:
@@ -228,68 +195,6 @@ def test_position_mismatch_and_retry(target_channel: grpc.Channel) -> None:
     after = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=first.results[0].position)]))
     assert after.results[0].position == first.results[0].position + 1
     stub.Close(pb.CloseRequest(session_ids=[sid]))
-
-
-def test_conditional_verify_runs_only_if_the_pending_token_is_not_listed(target_channel: grpc.Channel) -> None:
-    """unless_pending_in (pipelined rounds without a draft): a listed pending token refuses the call with
-    FAILED_PRECONDITION and leaves the session as it was; an unlisted one runs it like a plain call."""
-    stub = pb_grpc.TargetStub(target_channel)
-    prompt = _prompt(stub)
-    sid = _sid()
-    opened = stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)]))
-    pending, pos = opened.results[0].first_token.id, opened.results[0].position
-    listed = pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, unless_pending_in=[3, pending])])
-    assert _code(lambda: stub.Verify(listed)) == grpc.StatusCode.FAILED_PRECONDITION
-    assert _code(lambda: stub.Verify(listed)) == grpc.StatusCode.FAILED_PRECONDITION  # nothing moved
-    unlisted = pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, unless_pending_in=[pending + 1])])
-    ran = stub.Verify(unlisted).results[0]
-    assert ran.position == pos + 1 and len(ran.tokens) == 1
-    plain_sid = _sid()
-    stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=plain_sid, prompt_token_ids=prompt, sampling=GREEDY)]))
-    plain = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=plain_sid, position=pos)])).results[0]
-    assert ran.tokens[0].id == plain.tokens[0].id
-    stub.Close(pb.CloseRequest(session_ids=[sid, plain_sid]))
-
-
-def test_verify_behind_a_check_runs_only_after_the_named_token(target_channel: grpc.Channel) -> None:
-    """if_pending (the rest of a draft queued behind a one-token check of its first token): sent on the stream right
-    behind the check, as the gateway sends it, it runs after it, and only if the check emitted the named token;
-    otherwise FAILED_PRECONDITION naming the condition, with the session left where the check put it."""
-    stub = pb_grpc.TargetStub(target_channel)
-    prompt = _prompt(stub)
-    plain_sid = _sid()
-    opened = stub.Open(
-        pb.OpenRequest(items=[pb.OpenItem(session_id=plain_sid, prompt_token_ids=prompt, sampling=GREEDY)])
-    )
-    pos = opened.results[0].position
-    reference = [opened.results[0].first_token.id]
-    for step in range(3):
-        got = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=plain_sid, position=pos + step)]))
-        reference.append(got.results[0].tokens[0].id)
-    for right in (True, False):
-        sid = _sid()
-        stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)]))
-        named = reference[1] if right else reference[1] + 1
-        rest = pb.VerifyItem(session_id=sid, position=pos + 1, draft_token_ids=[reference[2]], if_pending=named)
-        requests = [
-            pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos)], request_id=1),
-            pb.VerifyRequest(items=[rest], request_id=2),
-        ]
-        by_id = {r.request_id: r for r in stub.VerifyStream(iter(requests))}
-        check, behind = by_id[1], by_id[2]
-        assert not check.HasField("error") and check.results[0].tokens[0].id == reference[1]
-        if right:
-            assert not behind.HasField("error")
-            ran = behind.results[0]
-            assert ran.num_accepted == 1 and [t.id for t in ran.tokens] == reference[2:4]
-            assert ran.position == pos + 3
-        else:
-            assert behind.error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
-            assert f"is not {named}" in behind.error.message  # refused for the token, not for the position
-            after = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos + 1)]))
-            assert after.results[0].tokens[0].id == reference[2]  # nothing moved: it goes on from the check
-        stub.Close(pb.CloseRequest(session_ids=[sid]))
-    stub.Close(pb.CloseRequest(session_ids=[plain_sid]))
 
 
 def test_bad_calls_get_status_codes(target_channel: grpc.Channel) -> None:
@@ -471,20 +376,26 @@ def _single_steps(stub: pb_grpc.TargetStub, prompt: list[int], n: int, sampling=
     "sampling", [GREEDY, pb.SamplingParams(temperature=0.9, top_k=40, seed=7)], ids=["greedy", "sampled"]
 )
 def test_plain_steps_answer_several_tokens_exactly_as_single_calls(target_channel: grpc.Channel, sampling) -> None:
-    """`plain_steps` decodes N tokens in one call, one engine step each: the same tokens, log-probabilities and
-    random stream as N single calls; an exact retry is answered from memory."""
+    """`Continuation.plain_steps` decodes N tokens in one call, one engine step each: the same tokens,
+    log-probabilities and random stream as N single calls; an exact retry is answered from memory."""
     stub = pb_grpc.TargetStub(target_channel)
     prompt = _prompt(stub)
     reference = _single_steps(stub, prompt, 9, sampling)
     sid, pos = _open(stub, prompt, sampling, logprobs=True)
-    request = pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=5)])
+    request = pb.VerifyRequest(
+        items=[pb.VerifyItem(session_id=sid, position=pos, continuation=pb.Continuation(plain_steps=5))]
+    )
     reply = stub.Verify(request)
     (result,) = reply.results
     assert result.num_accepted == 0 and result.position == pos + 5
     assert list(result.tokens) == reference[:5]  # ids, pieces and log-probabilities
     assert reply.timing.steps == 5 and reply.timing.forward_ns > 0
     assert stub.Verify(request).results == reply.results  # an exact retry: nothing applied twice
-    rest = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos + 5, plain_steps=4)]))
+    rest = stub.Verify(
+        pb.VerifyRequest(
+            items=[pb.VerifyItem(session_id=sid, position=pos + 5, continuation=pb.Continuation(plain_steps=4))]
+        )
+    )
     assert list(rest.results[0].tokens) == reference[5:9]
     stub.Close(pb.CloseRequest(session_ids=[sid]))
 
@@ -493,24 +404,35 @@ def test_plain_steps_answer_several_tokens_exactly_as_single_calls(target_channe
     "sampling", [GREEDY, pb.SamplingParams(temperature=0.9, top_k=40, seed=7)], ids=["greedy", "sampled"]
 )
 def test_a_round_that_goes_on_answers_as_a_round_then_a_plain_call(target_channel: grpc.Channel, sampling) -> None:
-    """Drafts with `plain_steps` (Info.continues_rounds): the first step verifies them, then the call decodes on its
-    own until the sequence is plain_steps tokens past its position. Tokens, log-probabilities and random stream must
-    be those of the round as a call of its own followed by a target-only call; the round is reported at offset 0 with
-    match_len 0; an exact retry is answered from memory, and a retry with other drafts is not mistaken for it."""
+    """Drafts with `Continuation.plain_steps` (Capabilities.continues_rounds): the first step verifies them, then the
+    call decodes on its own until the sequence is plain_steps tokens past its position. Tokens, log-probabilities and
+    random stream must be those of the round as a call of its own followed by a target-only call; the round is
+    reported at offset 0 with match_len 0; an exact retry is answered from memory, and a retry with other drafts is
+    not mistaken for it."""
     stub = pb_grpc.TargetStub(target_channel)
-    assert stub.Info(pb.InfoRequest()).continues_rounds
+    assert stub.Info(pb.InfoRequest()).capabilities.continues_rounds
     prompt = _prompt(stub)
     greedy = _single_steps(stub, prompt, 4)
     drafts = [greedy[0].id, greedy[1].id, (greedy[2].id + 1) % 1000]  # greedy: two accepted, the third rejected
     sid, pos = _open(stub, prompt, sampling, logprobs=True)
     first = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, draft_token_ids=drafts)]))
     after = first.results[0].position
-    plain = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=after, plain_steps=12)]))
+    plain = stub.Verify(
+        pb.VerifyRequest(
+            items=[pb.VerifyItem(session_id=sid, position=after, continuation=pb.Continuation(plain_steps=12))]
+        )
+    )
     reference = [*first.results[0].tokens, *plain.results[0].tokens][:12]
     stub.Close(pb.CloseRequest(session_ids=[sid]))
 
     sid, pos = _open(stub, prompt, sampling, logprobs=True)
-    call = pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, draft_token_ids=drafts, plain_steps=12)])
+    call = pb.VerifyRequest(
+        items=[
+            pb.VerifyItem(
+                session_id=sid, position=pos, draft_token_ids=drafts, continuation=pb.Continuation(plain_steps=12)
+            )
+        ]
+    )
     reply = stub.Verify(call)
     (result,) = reply.results
     assert list(result.tokens) == reference and result.position == pos + 12
@@ -522,7 +444,11 @@ def test_a_round_that_goes_on_answers_as_a_round_then_a_plain_call(target_channe
     assert reply.timing.steps == 1 + 12 - (own.accepted + 1)
     assert stub.Verify(call).results == reply.results  # an exact retry: nothing applied twice
     other = pb.VerifyRequest(
-        items=[pb.VerifyItem(session_id=sid, position=pos, draft_token_ids=drafts[:2], plain_steps=12)]
+        items=[
+            pb.VerifyItem(
+                session_id=sid, position=pos, draft_token_ids=drafts[:2], continuation=pb.Continuation(plain_steps=12)
+            )
+        ]
     )
     assert _code(lambda: stub.Verify(other)) == grpc.StatusCode.FAILED_PRECONDITION  # not its answer: refused
     stub.Close(pb.CloseRequest(session_ids=[sid]))
@@ -545,9 +471,18 @@ def test_pipelined_multi_token_calls_apply_in_order(target_channel: grpc.Channel
     ).results
     pos = opened[0].position
     requests = [
-        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=4)], request_id=1),
-        pb.VerifyRequest(items=[pb.VerifyItem(session_id=other, position=pos, plain_steps=6)], request_id=2),
-        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos + 4, plain_steps=5)], request_id=3),
+        pb.VerifyRequest(
+            items=[pb.VerifyItem(session_id=sid, position=pos, continuation=pb.Continuation(plain_steps=4))],
+            request_id=1,
+        ),
+        pb.VerifyRequest(
+            items=[pb.VerifyItem(session_id=other, position=pos, continuation=pb.Continuation(plain_steps=6))],
+            request_id=2,
+        ),
+        pb.VerifyRequest(
+            items=[pb.VerifyItem(session_id=sid, position=pos + 4, continuation=pb.Continuation(plain_steps=5))],
+            request_id=3,
+        ),
         pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos + 9)], request_id=4),
     ]
     by_id = {r.request_id: r for r in stub.VerifyStream(iter(requests))}
@@ -568,7 +503,11 @@ def test_plain_steps_end_early_at_end_of_text_and_at_a_full_context(target_chann
     )  # the model answers "The answer is 4." and ends
     prompt = list(stub.Tokenize(pb.TokenizeRequest(text=chat, parse_special=True)).token_ids)
     sid, pos = _open(stub, prompt)
-    tokens = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=200)]))
+    tokens = stub.Verify(
+        pb.VerifyRequest(
+            items=[pb.VerifyItem(session_id=sid, position=pos, continuation=pb.Continuation(plain_steps=200))]
+        )
+    )
     tokens = tokens.results[0].tokens
     assert tokens[-1].is_eog and len(tokens) < 200
     assert not any(t.is_eog for t in tokens[:-1])
@@ -577,7 +516,11 @@ def test_plain_steps_end_early_at_end_of_text_and_at_a_full_context(target_chann
     n_ctx = stub.Info(pb.InfoRequest()).context_size
     long_prompt = (_prompt(stub, "one two three four five six seven eight " * 300))[: n_ctx - 8]
     sid, pos = _open(stub, long_prompt)
-    reply = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=16)]))
+    reply = stub.Verify(
+        pb.VerifyRequest(
+            items=[pb.VerifyItem(session_id=sid, position=pos, continuation=pb.Continuation(plain_steps=16))]
+        )
+    )
     (result,) = reply.results
     assert result.position == n_ctx and len(result.tokens) == n_ctx - pos
     assert reply.timing.steps == n_ctx - pos
@@ -593,9 +536,15 @@ def test_a_cancelled_call_behind_a_multi_token_call_leaves_it_alone(target_chann
     prompt = _prompt(stub)
     reference = _single_steps(stub, prompt, 12)
     sid, pos = _open(stub, prompt, logprobs=True)
-    ahead = stub.Verify.future(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=12)]))
+    ahead = stub.Verify.future(
+        pb.VerifyRequest(
+            items=[pb.VerifyItem(session_id=sid, position=pos, continuation=pb.Continuation(plain_steps=12))]
+        )
+    )
     behind = stub.Verify.future(
-        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos + 12, plain_steps=4)])
+        pb.VerifyRequest(
+            items=[pb.VerifyItem(session_id=sid, position=pos + 12, continuation=pb.Continuation(plain_steps=4))]
+        )
     )
     behind.cancel()
     assert list(ahead.result(timeout=60).results[0].tokens) == reference
@@ -665,7 +614,13 @@ def test_stop_at_repeat_ends_target_only_calls_where_prompt_lookup_could_draft(t
         item = pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)
         opened = stub.Open(pb.OpenRequest(items=[item])).results[0]
         sequence, pos = [*prompt, opened.first_token.id], opened.position
-        call = pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=16, stop_at_repeat=n)])
+        call = pb.VerifyRequest(
+            items=[
+                pb.VerifyItem(
+                    session_id=sid, position=pos, continuation=pb.Continuation(plain_steps=16, stop_at_repeat=n)
+                )
+            ]
+        )
         if _ends_with_repeat(sequence, n):
             assert _code(lambda call=call: stub.Verify(call)) == grpc.StatusCode.FAILED_PRECONDITION
             plain = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos)])).results[0]
@@ -684,7 +639,11 @@ def test_stop_at_repeat_ends_target_only_calls_where_prompt_lookup_could_draft(t
 
     sid, pos = _open(stub, prompt)
     with_drafts = pb.VerifyRequest(
-        items=[pb.VerifyItem(session_id=sid, position=pos, draft_token_ids=[5], stop_at_repeat=4)]
+        items=[
+            pb.VerifyItem(
+                session_id=sid, position=pos, draft_token_ids=[5], continuation=pb.Continuation(stop_at_repeat=4)
+            )
+        ]
     )
     assert _code(lambda: stub.Verify(with_drafts)) == grpc.StatusCode.INVALID_ARGUMENT  # one step: nothing to stop
     stub.Close(pb.CloseRequest(session_ids=[sid]))
@@ -704,7 +663,12 @@ def test_a_round_that_goes_on_stops_at_a_repeat_and_is_never_skipped_for_one(tar
         item = pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)
         opened = stub.Open(pb.OpenRequest(items=[item])).results[0]
         sequence, pos = [*prompt, opened.first_token.id], opened.position
-        call = pb.VerifyItem(session_id=sid, position=pos, draft_token_ids=drafts, plain_steps=16, stop_at_repeat=n)
+        call = pb.VerifyItem(
+            session_id=sid,
+            position=pos,
+            draft_token_ids=drafts,
+            continuation=pb.Continuation(plain_steps=16, stop_at_repeat=n),
+        )
         result = stub.Verify(pb.VerifyRequest(items=[call])).results[0]
         want = next(
             (reference[: j + 1] for j in range(2, 16) if _ends_with_repeat([*sequence, *reference[: j + 1]], n)),
@@ -736,17 +700,33 @@ def test_a_call_pipelined_behind_one_stopped_at_a_repeat_is_skipped(target_chann
 
     n = next(n for n in range(1, 13) if not _ends_with_repeat(sequence, n) and 2 <= (first_repeat(n) or 0) < 15)
     first = stub.Verify.future(
-        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=16, stop_at_repeat=n)])
+        pb.VerifyRequest(
+            items=[
+                pb.VerifyItem(
+                    session_id=sid, position=pos, continuation=pb.Continuation(plain_steps=16, stop_at_repeat=n)
+                )
+            ]
+        )
     )
     behind = stub.Verify.future(
-        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos + 16, plain_steps=4, stop_at_repeat=n)])
+        pb.VerifyRequest(
+            items=[
+                pb.VerifyItem(
+                    session_id=sid, position=pos + 16, continuation=pb.Continuation(plain_steps=4, stop_at_repeat=n)
+                )
+            ]
+        )
     )
     result = first.result().results[0]
     assert 0 < len(result.tokens) < 16  # it stopped at the repeat
     with pytest.raises(grpc.RpcError) as info:
         behind.result()
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    rest = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=result.position, plain_steps=3)]))
+    rest = stub.Verify(
+        pb.VerifyRequest(
+            items=[pb.VerifyItem(session_id=sid, position=result.position, continuation=pb.Continuation(plain_steps=3))]
+        )
+    )
     assert [t.id for t in [*result.tokens, *rest.results[0].tokens]] == reference[: len(result.tokens) + 3]
     stub.Close(pb.CloseRequest(session_ids=[sid]))
 
@@ -807,11 +787,11 @@ def _rule_pb(rule: LookupRule, end_position: int) -> pb.LookupRule:
 
 @pytest.mark.parametrize("sampling", [GREEDY, pb.SamplingParams(temperature=0.8, seed=3)], ids=["greedy", "sampled"])
 def test_target_drafts_with_the_callers_lookup_rule(target_channel: grpc.Channel, sampling: pb.SamplingParams) -> None:
-    """VerifyItem.lookup: one target-only call in which the target drafts as the caller's prompt lookup would, round
+    """Continuation.lookup: one target-only call in which the target drafts as the caller's prompt lookup would, round
     by round. Each round verifies the same tokens in the same batch as a caller's own Verify would, so the tokens,
     the rounds and their acceptance are those of one call per round, greedy and seeded sampling alike."""
     stub = pb_grpc.TargetStub(target_channel)
-    assert stub.Info(pb.InfoRequest()).prompt_lookup
+    assert stub.Info(pb.InfoRequest()).capabilities.prompt_lookup
     prompt = _prompt(stub, LOOKUP_PROMPT)
     rule = LookupRule(ngram_min=2, ngram_max=16, max_draft=8, min_draft=1)
     n = 40
@@ -824,7 +804,9 @@ def test_target_drafts_with_the_callers_lookup_rule(target_channel: grpc.Channel
     steps = 0
     while len(tokens) < n:
         item = pb.VerifyItem(
-            session_id=sid, position=pos, plain_steps=n - len(tokens), lookup=_rule_pb(rule, pos - len(tokens) + n)
+            session_id=sid,
+            position=pos,
+            continuation=pb.Continuation(plain_steps=n - len(tokens), lookup=_rule_pb(rule, pos - len(tokens) + n)),
         )
         reply = stub.Verify(pb.VerifyRequest(items=[item]))
         r = reply.results[0]
@@ -849,11 +831,25 @@ def test_lookup_drafts_refuse_the_call_behind_and_bad_rules(target_channel: grpc
     sid, pos, _ = _opened(stub, prompt)
     end = pos + 60
     first = stub.Verify.future(
-        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos, plain_steps=2, lookup=_rule_pb(rule, end))])
+        pb.VerifyRequest(
+            items=[
+                pb.VerifyItem(
+                    session_id=sid,
+                    position=pos,
+                    continuation=pb.Continuation(plain_steps=2, lookup=_rule_pb(rule, end)),
+                )
+            ]
+        )
     )
     behind = stub.Verify.future(
         pb.VerifyRequest(
-            items=[pb.VerifyItem(session_id=sid, position=pos + 2, plain_steps=2, lookup=_rule_pb(rule, end))]
+            items=[
+                pb.VerifyItem(
+                    session_id=sid,
+                    position=pos + 2,
+                    continuation=pb.Continuation(plain_steps=2, lookup=_rule_pb(rule, end)),
+                )
+            ]
         )
     )
     result = first.result().results[0]
@@ -863,21 +859,37 @@ def test_lookup_drafts_refuse_the_call_behind_and_bad_rules(target_channel: grpc
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     rest = stub.Verify(
         pb.VerifyRequest(
-            items=[pb.VerifyItem(session_id=sid, position=result.position, plain_steps=2, lookup=_rule_pb(rule, end))]
+            items=[
+                pb.VerifyItem(
+                    session_id=sid,
+                    position=result.position,
+                    continuation=pb.Continuation(plain_steps=2, lookup=_rule_pb(rule, end)),
+                )
+            ]
         )
     )
     assert rest.results[0].position > result.position  # the refused call changed nothing: decoding goes on
     bad = [
-        pb.VerifyItem(session_id=sid, position=pos, lookup=pb.LookupRule(ngram_min=0, ngram_max=16, max_draft=8)),
         pb.VerifyItem(
             session_id=sid,
             position=pos,
-            lookup=pb.LookupRule(
-                ngram_min=2, ngram_max=16, max_draft=2, bucket_rates=[0.5] * 7, round_costs=[1.0], plain_cost=1.0
+            continuation=pb.Continuation(lookup=pb.LookupRule(ngram_min=0, ngram_max=16, max_draft=8)),
+        ),
+        pb.VerifyItem(
+            session_id=sid,
+            position=pos,
+            continuation=pb.Continuation(
+                lookup=pb.LookupRule(
+                    ngram_min=2, ngram_max=16, max_draft=2, bucket_rates=[0.5] * 7, round_costs=[1.0], plain_cost=1.0
+                )
             ),
         ),
-        pb.VerifyItem(session_id=sid, position=pos, draft_token_ids=[5], lookup=_rule_pb(rule, end)),
-        pb.VerifyItem(session_id=sid, position=pos, stop_at_repeat=3, lookup=_rule_pb(rule, end)),
+        pb.VerifyItem(
+            session_id=sid, position=pos, draft_token_ids=[5], continuation=pb.Continuation(lookup=_rule_pb(rule, end))
+        ),
+        pb.VerifyItem(
+            session_id=sid, position=pos, continuation=pb.Continuation(stop_at_repeat=3, lookup=_rule_pb(rule, end))
+        ),
     ]
     for item in bad:
         with pytest.raises(grpc.RpcError) as info:

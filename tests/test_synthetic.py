@@ -78,6 +78,7 @@ def _synthetic_timings(gateway: Service) -> dict:
     body = {
         "messages": [{"role": "user", "content": "Repeat: alpha beta gamma delta, alpha beta gamma delta, alpha"}],
         "max_tokens": 48,
+        "timings_detail": True,
         "temperature": 0,
         "speculative.n_max": 4,
         "speculative.adaptive": False,
@@ -118,7 +119,7 @@ def test_synthetic_target_says_so_everywhere(synthetic_stack: dict) -> None:
     target: Service = synthetic_stack["target"]
     gateway: Service = synthetic_stack["gateway"]
     with grpc.insecure_channel(target.address) as channel:
-        assert "mean length 5.0" in pb_grpc.TargetStub(channel).Info(pb.InfoRequest()).synthetic_acceptance
+        assert "mean length 5.0" in pb_grpc.TargetStub(channel).Info(pb.InfoRequest()).capabilities.synthetic_acceptance
     timings = _synthetic_timings(gateway)
     assert timings["synthetic_acceptance"].startswith("mean length 5.0")
     assert timings["draft_n"] > 0

@@ -37,7 +37,13 @@ def test_a_one_step_call_is_not_overtaken_by_a_call_sent_after_it() -> None:
                 del servicer._chains[sid]
             behind = asyncio.create_task(
                 servicer.Verify(
-                    pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=position + 1, plain_steps=2)]),
+                    pb.VerifyRequest(
+                        items=[
+                            pb.VerifyItem(
+                                session_id=sid, position=position + 1, continuation=pb.Continuation(plain_steps=2)
+                            )
+                        ]
+                    ),
                     None,
                 )
             )

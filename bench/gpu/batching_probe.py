@@ -23,7 +23,13 @@ from tandem.launch import start_gateway, start_model_service
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "speculative.n_max": 0}
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "timings_detail": True,
+        "temperature": 0,
+        "speculative.n_max": 0,
+    }
     response = await client.post(f"{url}/v1/completions", json=body, timeout=600)
     response.raise_for_status()
     return response.json()

@@ -44,7 +44,7 @@ build)
   ;;
 wheels)
   # The wheels alone, in a call of their own when the working tree is too large to carry them with a source tarball
-  # (the tree with docs/benchmarks is ~43 MiB of the 64): carry .gpu/wheels tandem/v1.
+  # (the working tree and what it carries must stay under 64 MiB): carry .gpu/wheels tandem/v1.
   install_wheels
   python3 -c 'import fastapi, grpc, pydantic_settings, opentelemetry.sdk; print("wheels ok, grpcio", grpc.__version__)'
   ;;
@@ -117,7 +117,7 @@ models)
   ;;
 floor)
   # The transport floor and batch-row exactness on a GPU host, in one call from a bare machine (~6 min; see
-  # docs/benchmarks/h200-exactness-2026-12-01 for the form of the exactness command that ran there). Carry
+  # docs/benchmarks/h200.md for the runs). Carry
   # .gpu/llama-cpp-python.tar.gz .gpu/wheels tandem/v1.
   install_wheels
   lscpu | grep -E '^Model name|^CPU\(s\)|MHz' || true
@@ -151,7 +151,7 @@ features-gpu)
 profile)
   # Issue 8: where the time of a round goes at the 70B shape (bench.round_profile): co-located, draft on the same
   # GPU, overlap off, after synth-setup. PROFILE_ARGS adds flags (e.g. "--ks 2,4 --synth-len 3"), DRAFT_EXTRA draft
-  # flags only (e.g. "--catch-up stepwise").
+  # flags only (e.g. "--draft-support 64").
   GPU_FLAGS="--n-gpu-layers -1 --device cuda:0 --max-sessions 2 --n-ctx 4096 --flash-attn on"
   python3 -m bench.round_profile --target "/tmp/models/${TARGET_SHAPE:-70b}.gguf" \
     --draft "/tmp/models/${DRAFT_SHAPE:-1b}.gguf" --target-flags "$GPU_FLAGS --n-threads 4 ${INLINE:-}" \

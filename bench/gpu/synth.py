@@ -46,7 +46,14 @@ def log(msg: str) -> None:
 
 
 def complete(client: httpx.Client, url: str, max_tokens: int, extra: dict) -> dict:
-    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "cache_prompt": False, **extra}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "timings_detail": True,
+        "temperature": 0,
+        "cache_prompt": False,
+        **extra,
+    }
     t0 = time.perf_counter()
     r = client.post(f"{url}/v1/completions", json=body, timeout=600)
     r.raise_for_status()

@@ -9,7 +9,7 @@ from tandem.config import DraftSettings
 
 if TYPE_CHECKING:
     from services.draft.servicer import DraftServicer
-    from tandem.grpc_server import EngineWorker
+    from tandem.worker import EngineWorker
 
 
 def build_draft(settings: DraftSettings) -> tuple[DraftServicer, EngineWorker, Callable[[], Awaitable[None]]]:
@@ -20,7 +20,7 @@ def build_draft(settings: DraftSettings) -> tuple[DraftServicer, EngineWorker, C
     from services.draft.drafters import Drafter, ModelDrafter, NgramDrafter
     from services.draft.service import DraftService
     from services.draft.servicer import DraftServicer
-    from tandem.grpc_server import EngineWorker
+    from tandem.worker import EngineWorker
 
     worker = EngineWorker()
     servicer = DraftServicer(worker)
@@ -32,10 +32,10 @@ def build_draft(settings: DraftSettings) -> tuple[DraftServicer, EngineWorker, C
             from tandem.engine import Engine
 
             engine = await worker.run(Engine, settings)
-            drafter = ModelDrafter(engine, settings.draft_support, settings.catch_up == "batched")
+            drafter = ModelDrafter(engine, settings.draft_support)
             n_vocab, n_ctx = engine.n_vocab, engine.n_ctx
         else:
-            drafter = NgramDrafter(settings.ngram_min, settings.ngram_max, settings.ngram_scaled)
+            drafter = NgramDrafter(settings.ngram_min, settings.ngram_max)
         service = DraftService(
             drafter, settings.max_sessions, settings.session_idle_timeout_s, n_vocab, n_ctx, settings.prefix_cache
         )

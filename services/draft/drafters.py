@@ -43,11 +43,6 @@ class Drafter(ABC):
         """Shortest repeated suffix behind which this drafter proposes anything (0: it may propose anywhere)."""
         return 0
 
-    @property
-    def match_uncapped(self) -> bool:
-        """An n-gram drafter without its confidence rule: an m-token suffix match may draft more than m - 1 tokens."""
-        return False
-
     def open_steps(self, sessions: Sequence[Session]) -> Generator[None, None, None]:
         """Prepare new sessions (prefill, indexes); a generator so long prefills run in chunks between steps."""
         self.open(sessions)
@@ -76,7 +71,8 @@ class Drafter(ABC):
 
 
 class NgramDrafter(Drafter):
-    """Prompt lookup (tandem.ngram) over each session's tokens, with its confidence rule unless `scaled` is off."""
+    """Prompt lookup (tandem.ngram) over each session's tokens, with its confidence rule: an m-token suffix match
+    drafts at most m - 1 tokens (`scaled`; off only in tests of the lookup itself)."""
 
     name = "ngram"
 
@@ -88,10 +84,6 @@ class NgramDrafter(Drafter):
     def proposes_after_repeat(self) -> int:
         # The index holds suffixes of n_min tokens and more; scaled, an m-token match drafts at most m - 1 tokens.
         return max(self.n_min, 2) if self.scaled else self.n_min
-
-    @property
-    def match_uncapped(self) -> bool:
-        return not self.scaled
 
     def open(self, sessions: Sequence[Session]) -> None:
         for session in sessions:
@@ -118,11 +110,11 @@ class ModelDrafter(Drafter):
 
     name = "model"
 
-    def __init__(self, engine: Engine, support: int = 32, batched_catch_up: bool = False) -> None:
+    def __init__(self, engine: Engine, support: int = 32) -> None:
         self.engine = engine
         self.support = support
         # Tokens up to this many missing from the KV go in one pass each (stepwise numerics), longer runs whole.
-        self.stepwise_limit = 1 if batched_catch_up else SINGLE_STEP_CATCH_UP
+        self.stepwise_limit = SINGLE_STEP_CATCH_UP
 
     def open(self, sessions: Sequence[Session]) -> None:
         for _ in self.open_steps(sessions):
@@ -143,10 +135,8 @@ class ModelDrafter(Drafter):
         """Bring each KV cache to its committed sequence, reusing accepted proposals; return each last logits row.
 
         A short catch-up goes one token per pass, like the draft's own proposals and like target-only decoding: the
-        draft's KV then matches one-token numerics exactly, so a same-model draft agrees with the target bit for bit.
-        With `batched_catch_up` it is one pass: after a fully accepted round that saves a draft pass (the last draft
-        token and the target's bonus token go together). It pays on a CPU draft only: on CUDA a one-token pass is
-        several times cheaper than a two-token one (measured, docs/benchmarks/h200-2026-12-02-lease7).
+        draft's KV then matches one-token numerics exactly, so a same-model draft agrees with the target bit for bit;
+        on CUDA a one-token pass is also several times cheaper than a two-token one (docs/decisions/0007).
         """
         missing: list[list[int]] = []
         starts: list[int] = []

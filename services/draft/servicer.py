@@ -11,10 +11,11 @@ from services.draft.service import DraftService, ProposeSpec
 from tandem import __version__
 from tandem.convert import dist_to_pb, info_pb, sampling_from_pb, serving_stats
 from tandem.engine import Engine
-from tandem.grpc_server import EngineWorker, ServiceLoading, stream_replies
+from tandem.grpc_server import ServiceLoading, stream_replies
 from tandem.scheduler import StepScheduler
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
+from tandem.worker import EngineWorker
 
 
 class DraftServicer(pb_grpc.DraftServicer):
@@ -82,8 +83,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                 max_sessions=service.store.max_sessions,
                 drafter=service.drafter.name,
             )
-        msg.proposes_after_repeat = service.drafter.proposes_after_repeat
-        msg.match_uncapped = service.drafter.match_uncapped
+        msg.capabilities.proposes_after_repeat = service.drafter.proposes_after_repeat
         return serving_stats(msg, service.store, self.scheduler)
 
     async def Open(self, request: pb.OpenRequest, context: grpc.aio.ServicerContext) -> pb.OpenResponse:

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 from tandem.cli import parse_settings
 from tandem.config import GatewaySettings
 
 
-def main(argv: list[str] | None = None, configure_target: Callable[[Any], None] | None = None) -> None:
-    """Run the gateway; `configure_target` adjusts a co-located target's Verifier (benchmarks only)."""
+def main(argv: list[str] | None = None, verifier_class: type | None = None) -> None:
+    """Run the gateway; `verifier_class` replaces a co-located target's Verifier (benchmarks only)."""
     settings = parse_settings(GatewaySettings, argv)
     colocated = None
     if settings.colocate:
-        colocated = colocated_models(settings, configure_target)
-    elif configure_target is not None:
-        raise SystemExit("configure_target needs --colocate: the target runs in another process")
+        colocated = colocated_models(settings, verifier_class)
+    elif verifier_class is not None:
+        raise SystemExit("verifier_class needs --colocate: the target runs in another process")
     import uvicorn
 
     from services.gateway.app import create_app
@@ -30,7 +27,7 @@ def main(argv: list[str] | None = None, configure_target: Callable[[Any], None] 
     )
 
 
-def colocated_models(settings: GatewaySettings, configure_target: Callable[[Any], None] | None):
+def colocated_models(settings: GatewaySettings, verifier_class: type | None):
     """The models to load into this process, with the process prepared for them as the services prepare theirs
     (tandem.config.prepare_process). Nothing imported so far pulls in grpc or numpy."""
     from tandem.config import DraftSettings, TargetSettings, prepare_process
@@ -40,7 +37,7 @@ def colocated_models(settings: GatewaySettings, configure_target: Callable[[Any]
     prepare_process(*(m for m in (target, draft) if m is not None), colocated=True)
     from services.gateway.app import Colocated
 
-    return Colocated(target, draft, configure_target, overlap=settings.overlap_draft)
+    return Colocated(target, draft, verifier_class, overlap=settings.overlap_draft)
 
 
 if __name__ == "__main__":

@@ -162,8 +162,7 @@ class CostModel:
         until it is measured again. The line needs two step sizes among the recent steps, and after ~30 one-token
         steps it had none: the lookup's rounds went unpriced and kept whole proposals. On a 2-core EPYC, where 2
         tokens cost 2.0x a one-token step, sampled chat then drafted in 12-16 rounds a request with 25% accepted;
-        replayed at its costs (`python -m bench.replay_ngram`, docs/benchmarks/cpu-2026-12-05-lone-step-costs), the
-        adaptive lookup went from 1.110x to 1.133x of target-only on average, sampled chat from 0.932x to 0.981x."""
+        replayed at its costs (`python -m bench.replay_ngram`), the adaptive lookup gained (docs/decisions/0004)."""
         measured = self.step_ns(tokens)
         if measured is not None:
             return measured
@@ -344,39 +343,10 @@ FOLLOW_UP_MIN_MISS = 0.35  # send a lookup round's follow-up call when its first
 
 
 def worth_following_up(tracker: AcceptanceTracker) -> bool:
-    """A lookup round's follow-up call (see Generation._follow_up) pays when the round often ends at its first
+    """A lookup round's follow-up call (see LookupStrategy.follow_up) pays when the round often ends at its first
     draft: it then saves the target a round trip of idling (~1.3-1.7 ms on the 2-core CPU); otherwise the target
     skips it, which costs both sides a message (~0.2-0.3 ms of CPU there)."""
     return 1.0 - tracker.rate(0) >= FOLLOW_UP_MIN_MISS
-
-
-def worth_checking_first(tracker: AcceptanceTracker, costs: CostModel, k: int) -> bool:
-    """Whether a round of k drafts from a model-free draft service goes faster with its first draft checked on its own
-    (see Generation._checked_round): a one-token target step sent with the Propose, the other k - 1 drafts verified
-    behind it only if that step emitted the first draft. Both emit the same tokens in expectation (the check's token
-    is the round's first either way, and the rest verifies with its own bonus token); they differ in target time:
-
-        checked: step(1) + a0 * step(k)     whole: step(k + 1)
-
-    with a0 the first draft's acceptance and step(n) a lone step of n tokens. Where a second token costs about as
-    much as the first (the 2-core CPU: 1, 2, then ~+0.5 a token), a check costs ~0.5 of a step more when the first
-    draft holds and saves nearly the whole verification when it fails: it pays below a0 ~0.9 at k = 8. Where a
-    step of k + 1 tokens costs what a one-token step does (a GPU), it never pays. Sessions sharing steps are priced
-    by the line, not lone steps: no check then.
-
-    k is the round's draft length as asked; a proposal can be shorter (by default the n-gram service drafts at most
-    m - 1 tokens behind an m-token match, and the match policy may keep less), and a check then pays less than
-    priced: one reason the adaptive rows lost with it. The Propose's round trip, which the check hides behind its
-    step, is not credited: on two cores the step and the Propose slow each other down, and with it credited the
-    copied text of code edits (a0 ~0.97) was checked too and ran 1% slower
-    (docs/benchmarks/cpu-2026-12-05-checked-rounds).
-    """
-    if k < 1 or costs.sequences >= 1.5:
-        return False
-    one, rest, whole = costs.lone_step_ns(1), costs.lone_step_ns(k), costs.lone_step_ns(k + 1)
-    if one is None or rest is None or whole is None:
-        return False
-    return one + tracker.rate(0) * rest < whole
 
 
 PRIOR_MISS = 0.125  # prior: a position continuing an n-token match is rejected with probability PRIOR_MISS / n
@@ -394,9 +364,8 @@ class MatchLengthPolicy:
     the proposal that maximises expected tokens per unit of round cost (k = 0: do not draft this round).
 
     Why not `DraftLengthPolicy`: by position alone, the rejected drafts of short matches pulled the estimate for
-    every draft down. Replayed on the benchmark's target-only texts with this CPU's verify costs
-    (`python -m bench.replay_ngram docs/benchmarks/cpu-2026-11-30-full4/results.json`), it reached 0.88 of the best
-    fixed k on json; this policy reached 1.00-1.02 of it on every greedy workload.
+    every draft down: replayed on the benchmark's texts (`python -m bench.replay_ngram`), this policy did better
+    (docs/decisions/0004).
     """
 
     costs: CostModel

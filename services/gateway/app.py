@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 from fastapi import APIRouter, FastAPI, Request
@@ -36,7 +34,7 @@ class Colocated:
 
     target: TargetSettings
     draft: DraftSettings | None
-    configure_target: Callable[[Any], None] | None = None  # benchmarks only (bench.synthetic_target)
+    verifier_class: type | None = None  # benchmarks only (bench.synthetic_target)
     overlap: bool = False  # the gateway drafts ahead (--overlap-draft)
 
 
@@ -134,7 +132,7 @@ def create_app(settings: GatewaySettings | None = None, colocated: Colocated | N
                     from services.gateway.colocated import start_colocated
 
                     upstreams = await start_colocated(
-                        colocated.target, colocated.draft, colocated.configure_target, colocated.overlap
+                        colocated.target, colocated.draft, colocated.verifier_class, colocated.overlap
                     )
                 else:
                     security = ChannelSecurity(

@@ -63,7 +63,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                     }
                 ],
                 "usage": usage(out.stats),
-                "timings": out.stats.timings(),
+                "timings": out.stats.timings(body.timings_detail),
             }
         )
 
@@ -94,7 +94,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             ],
         }
         if delta.finish_reason is not None:
-            payload["timings"] = generation.stats.timings()
+            payload["timings"] = generation.stats.timings(body.timings_detail)
         return payload
 
     def tail() -> list[dict]:
@@ -106,7 +106,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 "object": "chat.completion.chunk",
                 "choices": [],
                 "usage": usage(generation.stats),
-                "timings": generation.stats.timings(),
+                "timings": generation.stats.timings(body.timings_detail),
             }
         ]
 

@@ -2,10 +2,10 @@
 
 When both models sit on one host and one llama.cpp build (two NVIDIA GPUs, or a GPU and the CPU), the two gRPC calls
 of every speculative round buy nothing but cost: ~2.4-3 ms a round on the H200 host, 6-11% of a 70B round
-(docs/benchmarks/h200x2-synth-2026-12-01-current). Here the gateway loads the same servicers the services run and
+(docs/decisions/0006). Here the gateway loads the same servicers the services run and
 calls their methods directly: the same protobuf messages, the same step scheduler batching every request's calls into
 one forward pass, the same errors as gRPC status codes (an `AioRpcError`, as a remote call raises), so the
-speculative loop in services.gateway.speculative runs unchanged. Only the transport is gone.
+speculative loop in services.gateway.speculation runs unchanged. Only the transport is gone.
 
 Separate services stay the default: they are what lets a draft run on another machine, or on a GPU of another vendor
 (one process loads one llama.cpp build).
@@ -29,9 +29,10 @@ from opentelemetry.trace import SpanKind
 from services.gateway.streams import upstream_error
 from services.gateway.upstream import Upstreams, check_compatible
 from tandem.config import DraftSettings, TargetSettings
-from tandem.grpc_server import EngineWorker, error_status
+from tandem.grpc_server import error_status
 from tandem.telemetry import context_from_metadata, tracer
 from tandem.v1 import tandem_pb2 as pb
+from tandem.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ class ColocatedUpstreams(Upstreams):
 async def start_colocated(
     target_settings: TargetSettings,
     draft_settings: DraftSettings | None,
-    configure_target: Callable[[Any], None] | None = None,
+    verifier_class: type | None = None,
     overlap: bool = False,
 ) -> ColocatedUpstreams:
     """Load the target (and the draft) into this process and return them as the gateway's upstreams.
@@ -217,7 +218,7 @@ async def start_colocated(
     from services.draft.__main__ import build_draft
     from services.target.__main__ import build_target
 
-    target, target_worker, load_target = build_target(target_settings, configure_target)
+    target, target_worker, load_target = build_target(target_settings, verifier_class)
     target.inline_guessed = not overlap
     workers = [target_worker]
     draft = None

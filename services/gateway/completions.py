@@ -64,7 +64,7 @@ async def completions(body: CompletionRequest, request: Request):
                     }
                 ],
                 "usage": usage(out.stats),
-                "timings": out.stats.timings(),
+                "timings": out.stats.timings(body.timings_detail),
             }
         )
 
@@ -90,7 +90,7 @@ async def completions(body: CompletionRequest, request: Request):
         }
         offset += len(delta.text)
         if delta.finish_reason is not None:
-            payload["timings"] = generation.stats.timings()
+            payload["timings"] = generation.stats.timings(body.timings_detail)
         return payload
 
     def tail() -> list[dict]:

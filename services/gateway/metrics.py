@@ -71,6 +71,20 @@ class GatewayMetrics:
         self.kv_capacity = Gauge(
             "tandem_kv_capacity_tokens", "KV cells of each service's context", ["service"], registry=r
         )
+        # tandem's split of decode time, summed over finished requests (a response has it with `timings_detail`).
+        self.calls = Counter("tandem_upstream_calls", "Verify and Propose calls sent", ["service"], registry=r)
+        self.rpc_seconds = Counter(
+            "tandem_upstream_rpc_seconds", "wall time of those calls as the gateway saw them", ["service"], registry=r
+        )
+        self.compute_seconds = Counter(
+            "tandem_upstream_compute_seconds", "time inside each model's forward passes", ["service"], registry=r
+        )
+        self.round_kinds = Counter(
+            "tandem_round_kinds",
+            "rounds and calls by how they were sent (lookahead, overlapped, pipelined, follow_up, continued, ...)",
+            ["kind"],
+            registry=r,
+        )
 
     def observe_round(self, proposed: int, accepted: int, round_ns: int, compute_ns: int) -> None:
         self.round_seconds.observe(round_ns / 1e9)
@@ -85,6 +99,29 @@ class GatewayMetrics:
             for i in range(accepted):
                 per_pos[i].inc()
 
+    def observe_generation(self, stats) -> None:
+        """Add a finished request's diagnostic split (a GenerationStats) to the totals."""
+        for service, calls, rpc_ns, forward_ns in (
+            ("target", stats.verify_calls, stats.verify_ns, stats.verify_forward_ns),
+            ("draft", stats.propose_calls, stats.draft_ns, stats.draft_forward_ns),
+        ):
+            if calls:
+                self.calls.labels(service=service).inc(calls)
+                self.rpc_seconds.labels(service=service).inc(rpc_ns / 1e9)
+                self.compute_seconds.labels(service=service).inc(forward_ns / 1e9)
+        for kind, n in (
+            ("lookahead", stats.lookahead_rounds),
+            ("overlapped", stats.overlapped_rounds),
+            ("pipelined", stats.pipelined_rounds),
+            ("follow_up", stats.follow_ups),
+            ("follow_up_used", stats.follow_ups_used),
+            ("continued", stats.continued_rounds),
+            ("target_drafted", stats.target_rounds),
+            ("propose_skipped", stats.proposes_skipped),
+        ):
+            if n:
+                self.round_kinds.labels(kind=kind).inc(n)
+
     async def refresh_upstreams(self, stubs: dict[str, object]) -> None:
         async def one(name: str, stub) -> None:
             try:
@@ -93,11 +130,11 @@ class GatewayMetrics:
                 self.upstream_up.labels(service=name).set(0)
                 return
             self.upstream_up.labels(service=name).set(1)
-            self.sessions.labels(service=name).set(info.active_sessions)
-            self.kv_tokens.labels(service=name).set(info.kv_tokens)
+            self.sessions.labels(service=name).set(info.load.active_sessions)
+            self.kv_tokens.labels(service=name).set(info.load.kv_tokens)
             self.kv_capacity.labels(service=name).set(info.context_size)
             if name == "target":
-                self.synthetic.set(1 if info.synthetic_acceptance else 0)
+                self.synthetic.set(1 if info.capabilities.synthetic_acceptance else 0)
 
         await asyncio.gather(*(one(n, s) for n, s in stubs.items() if s is not None))
 

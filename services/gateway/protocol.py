@@ -112,6 +112,9 @@ class SamplingFields(BaseModel):
         description="extension: choose each round's draft length in n_min..n_max (default: the server's setting,"
         " which never applies to a seeded sampled request: timing-driven lengths would change its text)",
     )
+    timings_detail: bool = Field(
+        False, description="extension: add tandem's split of round time and its round counters to `timings`"
+    )
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> SamplingFields:

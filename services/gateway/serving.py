@@ -17,13 +17,13 @@ from services.gateway.errors import OpenAIError, sse_error
 from services.gateway.guards import Admission
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import SamplingFields
-from services.gateway.speculative import Generation, GenerationRequest, GenerationStats
+from services.gateway.speculation import Generation, GenerationOptions, GenerationRequest, GenerationStats
 from services.gateway.text import TextAssembler
 from services.gateway.upstream import Upstreams
 from tandem.config import GatewaySettings
 from tandem.v1 import tandem_pb2 as pb
 
-# Default draft lengths when --n-max is unset, measured with the CPU benchmark (docs/benchmarks/cpu-2026-11-30-full4).
+# Default draft lengths when --n-max is unset (docs/decisions/0001).
 MODEL_N_MAX = 8
 NGRAM_N_MAX = 32
 
@@ -52,6 +52,7 @@ class Serving:
         self.settings = settings
         self.admission = Admission(settings.max_concurrent, settings.max_queue)
         self.costs = CostModel()  # the deployment's measured step costs, shared by all requests (adaptive k)
+        self.options = GenerationOptions.from_settings(settings)
         self.model_name = settings.model_name or upstreams.target_info.model_name
         self.context_size = upstreams.target_info.context_size
         ngram = settings.local_ngram or upstreams.draft_is_ngram
@@ -142,21 +143,7 @@ class Serving:
         return self.settings.adaptive_k and not (req.seed is not None and req.temperature > 0)
 
     def start(self, gen_req: GenerationRequest) -> Generation:
-        return Generation(
-            self.up,
-            gen_req,
-            self.settings.rpc_timeout_s,
-            self.metrics,
-            self.costs,
-            self.settings.overlap_draft,
-            self.settings.local_ngram,
-            self.settings.plain_pipeline,
-            self.settings.local_ngram_max,
-            self.settings.plain_burst_ms,
-            self.settings.target_lookup,
-            self.settings.check_first_draft,
-            self.settings.continue_rounds,
-        )
+        return Generation(self.up, gen_req, self.options, self.metrics, self.costs)
 
     async def deltas(self, generation: Generation, stop: Sequence[str]) -> AsyncIterator[Delta]:
         """Visible text as it becomes safe to show, ending with a Delta that carries the finish reason."""

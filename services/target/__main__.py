@@ -10,20 +10,20 @@ from tandem.config import TargetSettings
 if TYPE_CHECKING:
     from services.target.servicer import TargetServicer
     from services.target.verifier import Verifier
-    from tandem.grpc_server import EngineWorker
+    from tandem.worker import EngineWorker
 
 
 def build_target(
-    settings: TargetSettings, configure: Callable[[Verifier], None] | None = None
+    settings: TargetSettings, verifier_class: type[Verifier] | None = None
 ) -> tuple[TargetServicer, EngineWorker, Callable[[], Awaitable[None]]]:
     """The target's servicer, its engine thread, and the coroutine that loads the model into it.
 
     Shared by the gRPC service and the co-located gateway (services.gateway.colocated), which calls the same
-    servicer in its own process. `configure` may adjust the Verifier once the model is loaded (benchmarks).
+    servicer in its own process. `verifier_class` replaces the Verifier (benchmarks: bench.synthetic_target).
     """
     from services.target.servicer import TargetServicer
     from tandem.engine import Engine
-    from tandem.grpc_server import EngineWorker
+    from tandem.worker import EngineWorker
 
     worker = EngineWorker()
     servicer = TargetServicer(worker)
@@ -32,20 +32,19 @@ def build_target(
         engine = await worker.run(Engine, settings)
         from services.target.verifier import Verifier
 
-        verifier = Verifier(engine, settings.session_idle_timeout_s, settings.verify_mode, settings.prefix_cache)
-        if configure is not None:
-            configure(verifier)
+        cls = verifier_class or Verifier
+        verifier = cls(engine, settings.session_idle_timeout_s, settings.verify_mode, settings.prefix_cache)
         servicer.attach(verifier, settings.max_batch, settings.batch_wait_ms, settings.inline_steps(engine.backend))
 
     return servicer, worker, load
 
 
-async def serve_target(settings: TargetSettings, configure: Callable[[Verifier], None] | None = None) -> None:
-    """Run the target service; `configure` may adjust the Verifier once the model is loaded (benchmarks)."""
+async def serve_target(settings: TargetSettings, verifier_class: type[Verifier] | None = None) -> None:
+    """Run the target service; `verifier_class` replaces the Verifier (benchmarks only)."""
     from tandem.grpc_server import serve_service
     from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
-    servicer, worker, load = build_target(settings, configure)
+    servicer, worker, load = build_target(settings, verifier_class)
     await serve_service(
         settings,
         service_name="tandem.v1.Target",

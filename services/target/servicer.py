@@ -25,11 +25,12 @@ from services.target.verifier import (
 )
 from tandem.convert import dist_from_pb, info_pb, sampling_from_pb, serving_stats
 from tandem.errors import InvalidArgument, TandemError
-from tandem.grpc_server import EngineWorker, ServiceLoading, stream_replies
+from tandem.grpc_server import ServiceLoading, stream_replies
 from tandem.ngram import LookupRule
 from tandem.scheduler import Again, StepScheduler
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
+from tandem.worker import EngineWorker
 
 T = TypeVar("T")
 
@@ -106,17 +107,17 @@ class _PlainRun:
 
 
 def _continues(item: pb.VerifyItem) -> bool:
-    """Whether an item is a round that goes on as target-only decoding (drafts and plain_steps: continues_rounds)."""
-    return bool(item.draft_token_ids) and item.plain_steps > 1
+    """Whether an item is a round that goes on as target-only decoding (drafts and a Continuation: continues_rounds)."""
+    return bool(item.draft_token_ids) and item.continuation.plain_steps > 1
 
 
 def _lookup_rule(item: pb.VerifyItem) -> LookupRule | None:
-    """The caller's prompt-lookup rule of a target-only call (VerifyItem.lookup), checked."""
-    if not item.HasField("lookup"):
+    """The caller's prompt-lookup rule of a target-only call (Continuation.lookup), checked."""
+    if not item.continuation.HasField("lookup"):
         return None
-    if item.draft_token_ids or item.stop_at_repeat:
+    if item.draft_token_ids or item.continuation.stop_at_repeat:
         raise InvalidArgument("lookup needs an item without draft tokens and without stop_at_repeat")
-    rule = item.lookup
+    rule = item.continuation.lookup
     try:
         return LookupRule(
             ngram_min=rule.ngram_min,
@@ -190,9 +191,9 @@ class TargetServicer(pb_grpc.TargetServicer):
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         v = self._ready()
         msg = serving_stats(info_pb(v.engine), v.store, self.scheduler)
-        msg.synthetic_acceptance = v.synthetic_label
-        msg.prompt_lookup = True
-        msg.continues_rounds = True
+        msg.capabilities.synthetic_acceptance = v.synthetic_label
+        msg.capabilities.prompt_lookup = True
+        msg.capabilities.continues_rounds = True
         return msg
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
@@ -235,18 +236,16 @@ class TargetServicer(pb_grpc.TargetServicer):
                 if item.draft_distributions
                 else None,
                 item.bonus_guess if item.HasField("bonus_guess") else None,
-                frozenset(item.unless_pending_in),
-                # A round that goes on (drafts and plain_steps) ends at a repeat; it is never skipped for one.
-                stop_at_repeat=0 if _continues(item) else item.stop_at_repeat,
-                if_pending=item.if_pending if item.HasField("if_pending") else None,
+                # A round that goes on (drafts and a Continuation) ends at a repeat; it is never skipped for one.
+                stop_at_repeat=0 if _continues(item) else item.continuation.stop_at_repeat,
             )
             for item in request.items
         ]
-        steps = [max(item.plain_steps, 1) for item in request.items]
+        steps = [max(item.continuation.plain_steps, 1) for item in request.items]
         lookups = [_lookup_rule(item) for item in request.items]
         before = {self._chains[spec.session_id] for spec in specs if spec.session_id in self._chains}
         if max(steps, default=1) > 1 or any(lookups):
-            run = _PlainRun(specs, steps, lookups, [item.stop_at_repeat for item in request.items])
+            run = _PlainRun(specs, steps, lookups, [item.continuation.stop_at_repeat for item in request.items])
             results = await self._in_order(before, specs, lambda: self._plain_chains(run))
             # The plain steps' mean shape against their mean forward time: a point the caller's cost model can fit
             # (the last step's shape against the mean time was not, once other sessions joined some of the steps).
@@ -309,7 +308,7 @@ class TargetServicer(pb_grpc.TargetServicer):
                     del self._chains[spec.session_id]
 
     async def _plain_chains(self, run: _PlainRun) -> list[VerifyResult]:
-        """Several plain tokens per item (`VerifyItem.plain_steps`), one scheduler step each, so that every step
+        """Several plain tokens per item (`Continuation.plain_steps`), one scheduler step each, so that every step
         still batches with other sessions' calls (an item's first step may verify its drafts: a round that goes on);
         `run` keeps the steps' count and times."""
         return await self.scheduler.batched("verify", run.first(), then=run.then)

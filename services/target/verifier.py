@@ -9,13 +9,13 @@ and rolls the KV cache back past the first rejected draft token.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from tandem import sampling
+from tandem import acceptance, sampling
 from tandem.engine import DecodeItem, Engine
 from tandem.errors import ConditionNotMet, InvalidArgument, SessionNotFound, TandemError
 from tandem.ngram import LookupRule
@@ -59,7 +59,7 @@ class StepShape:
 
 @dataclass(frozen=True)
 class LookupRound:
-    """A round drafted here with the caller's prompt-lookup rule (VerifyItem.lookup), as the call reports it; or, with
+    """A round drafted here with the caller's prompt-lookup rule (Continuation.lookup), as the call reports it; or, with
     match_len 0 at offset 0, the round of the caller's own drafts that a multi-step call went on from."""
 
     offset: int  # index of its first token among the call's tokens; it emitted accepted + 1 from there
@@ -71,8 +71,8 @@ class LookupRound:
 
 @dataclass(frozen=True)
 class PlainChain:
-    """A call that decodes several plain tokens, one step each (`VerifyItem.plain_steps`), as one of its steps sees it;
-    its first step may verify the caller's drafts (`drafts`: a round that goes on as target-only decoding).
+    """A call that decodes several plain tokens, one step each (`Continuation.plain_steps`), as one of its steps sees
+    it; its first step may verify the caller's drafts (`drafts`: a round that goes on as target-only decoding).
 
     The steps are separate verify specs, so that each one batches with other sessions; the chain lets the verifier
     answer an exact retry of the whole call from memory, as it does for a single step.
@@ -103,8 +103,6 @@ class VerifySpec:
     draft_tokens: Sequence[int]
     draft_dists: Sequence[SparseDist] | None  # None: deterministic draft (greedy model or n-gram)
     bonus_guess: int | None = None  # overlapped drafting: the draft's guess for the target's own token
-    unless_pending_in: frozenset[int] = frozenset()  # pipelined plain rounds: skip if the pending token is one of these
-    if_pending: int | None = None  # the rest of a draft behind its first token's check: skip unless that is pending
     chain: PlainChain | None = None  # one step of a multi-token plain call
     stop_at_repeat: int = 0  # plain calls: skip if the sequence already ends with a repeat of this many tokens
     lookup_match: int = 0  # a chain step whose drafts the caller's lookup rule chose: the match behind them
@@ -140,6 +138,9 @@ def _log_softmax(row: np.ndarray) -> np.ndarray:
 class Verifier:
     """Sessions plus the verification rule, over one Engine."""
 
+    #: Non-empty only in bench.synthetic_target's subclass, which imposes acceptance (Capabilities field).
+    synthetic_label = ""
+
     def __init__(
         self, engine: Engine, idle_timeout_s: float, verify_mode: str = "batched", prefix_cache: bool = True
     ) -> None:
@@ -147,10 +148,6 @@ class Verifier:
         self.store = SessionStore(engine.settings.max_sessions, idle_timeout_s)
         self.verify_mode = verify_mode
         self.prefix_cache = prefix_cache
-        #: Benchmarks only (bench.synthetic_target sets it; no setting does): (k, has a bonus guess, session id)
-        #: -> (drafts to accept, whether the guess counts as right).
-        self.acceptance_override: Callable[[int, bool, str], tuple[int, bool]] | None = None
-        self.synthetic_label = ""
 
     # ---------------------------------------------------------------- helpers
 
@@ -307,14 +304,6 @@ class Verifier:
                 if drafts:
                     spec = dataclasses.replace(spec, draft_tokens=tuple(drafts), lookup_match=match_len)
             if hit is None:
-                if spec.unless_pending_in and session.tokens[-1] in spec.unless_pending_in:
-                    raise ConditionNotMet(
-                        f"session {session.session_id}: pending token {session.tokens[-1]} is in unless_pending_in"
-                    )
-                if spec.if_pending is not None and session.tokens[-1] != spec.if_pending:
-                    raise ConditionNotMet(
-                        f"session {session.session_id}: pending token {session.tokens[-1]} is not {spec.if_pending}"
-                    )
                 if spec.stop_at_repeat:
                     if spec.draft_tokens:
                         raise InvalidArgument("stop_at_repeat needs an item without draft tokens")
@@ -362,24 +351,22 @@ class Verifier:
                 break
         return np.stack(rows)
 
+    def decide(self, session: Session, spec: VerifySpec, rows: np.ndarray) -> acceptance.VerifyOutcome:
+        """The lossless rule: how many drafts the target accepts and its own next token, from the logits rows of
+        [pending, d1..dk]. (A benchmark subclass imposes synthetic outcomes here: bench.synthetic_target.)"""
+        drafts = list(spec.draft_tokens)
+        if session.sampling.greedy:
+            # Argmax row by row, up to the first mismatch. Sequential verification may have stopped early: it then
+            # has a row for each draft up to the mismatch, plus that one.
+            return acceptance.verify_greedy(acceptance.ArgmaxRows(rows), drafts[: len(rows) - 1])
+        probs = acceptance.WarpedRows(rows, session.sampling)  # warped as read: up to the first rejection
+        dists = list(spec.draft_dists) if spec.draft_dists is not None else [None] * len(drafts)
+        return acceptance.verify_stochastic(probs, drafts, dists, session.rng)
+
     def _accept(self, session: Session, spec: VerifySpec, rows: np.ndarray, step: StepShape) -> VerifyResult:
         drafts = list(spec.draft_tokens)
         k = len(drafts)
-        if self.acceptance_override is not None:  # synthetic acceptance: the same rows, an imposed outcome
-            n, guess_right = self.acceptance_override(k, spec.bonus_guess is not None, session.session_id)
-            n = min(n, k, len(rows) - 1)
-            own = self._pick(session, rows[n])
-            if n == k and guess_right:  # overlapped drafting: the draft's guess is right at the same rate
-                own = spec.bonus_guess
-            outcome = sampling.VerifyOutcome(n, own)
-        elif session.sampling.greedy:
-            # Argmax row by row, up to the first mismatch. Sequential verification may have stopped early: it then
-            # has a row for each draft up to the mismatch, plus that one.
-            outcome = sampling.verify_greedy(sampling.ArgmaxRows(rows), drafts[: len(rows) - 1])
-        else:
-            probs = sampling.WarpedRows(rows, session.sampling)  # warped as read: up to the first rejection
-            dists = list(spec.draft_dists) if spec.draft_dists is not None else [None] * k
-            outcome = sampling.verify_stochastic(probs, drafts, dists, session.rng)
+        outcome = self.decide(session, spec, rows)
         n = outcome.n_accepted
         emitted = [*drafts[:n], outcome.next_token]
         # KV now holds [pending, d1..dk] (or fewer in sequential mode); keep pending and the accepted drafts.
