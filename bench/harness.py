@@ -330,6 +330,7 @@ def request_body(config: Config, workload: Workload, prompt: str, max_tokens: in
         "temperature": workload.temperature,
         "cache_prompt": False,  # llama-server: no prompt cache across repetitions (tandem's target runs without)
     }
+    body.update(dict(workload.extra))
     if workload.seed is not None:
         body["seed"] = workload.seed + rep
     if workload.temperature > 0:
@@ -390,6 +391,9 @@ def run(
                 for i, prompt in enumerate(workload.prompts):
                     shift = (rep + i) % len(configs)
                     for config in configs[shift:] + configs[:shift]:  # rotate the order: noise hits all alike
+                        if not workload.peer and config.family == "llama-server":
+                            bar.update()
+                            continue
                         bar.set_postfix_str(f"{workload.name} | {config.name}")
                         record = request(client, config, workload, prompt, max_tokens, rep)
                         record.prompt, record.rep = i, rep

@@ -4,7 +4,8 @@
 - summary: summarise a long passage and quote from it
 - chat: free-form prose
 - json: reformat structured data
-plus sampled variants (temperature 0.7, seeded) of edit and chat.
+plus sampled variants (temperature 0.7, seeded) of edit and chat, and the json prompts constrained: by a JSON schema
+(json-schema) and as a forced tool call (tool-call).
 """
 
 from __future__ import annotations
@@ -154,6 +155,33 @@ class Workload:
     prompts: tuple[str, ...]
     temperature: float = 0.0
     seed: int | None = None
+    extra: tuple[tuple[str, object], ...] = ()  # request fields of a constrained workload (response_format, tools)
+    peer: bool = True  # llama-server serves it too (it does not force tool calls)
+
+
+TEAM_SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "name": {"type": "string"},
+            "role": {"enum": ["engineer", "designer", "manager", "analyst"]},
+            "team": {"type": "string"},
+            "start_year": {"type": "integer"},
+        },
+        "required": ["id", "name", "role", "team", "start_year"],
+        "additionalProperties": False,
+    },
+}
+ADD_PEOPLE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add_people",
+        "description": "Add people to the staff directory",
+        "parameters": {"type": "object", "properties": {"people": TEAM_SCHEMA}, "required": ["people"]},
+    },
+}
 
 
 WORKLOADS = (
@@ -196,6 +224,18 @@ WORKLOADS = (
     ),
     Workload("edit-t0.7", (), temperature=0.7, seed=1234),
     Workload("chat-t0.7", (), temperature=0.7, seed=1234),
+    # The json prompts, constrained: by a schema (response_format), and as a forced tool call.
+    Workload(
+        "json-schema",
+        (),
+        extra=(("response_format", {"type": "json_schema", "json_schema": {"name": "team", "schema": TEAM_SCHEMA}}),),
+    ),
+    Workload(
+        "tool-call",
+        (),
+        extra=(("tools", [ADD_PEOPLE_TOOL]), ("tool_choice", "required")),
+        peer=False,
+    ),
 )
 
 
@@ -204,6 +244,11 @@ def workloads(quick: bool) -> list[Workload]:
     by_name = {w.name: w for w in WORKLOADS}
     out = []
     for w in WORKLOADS:
-        prompts = w.prompts or by_name[w.name.split("-t")[0]].prompts
-        out.append(Workload(w.name, prompts[:1] if quick else prompts, w.temperature, w.seed))
+        prompts = w.prompts or by_name[_twin(w.name)].prompts
+        out.append(Workload(w.name, prompts[:1] if quick else prompts, w.temperature, w.seed, w.extra, w.peer))
     return out
+
+
+def _twin(name: str) -> str:
+    """The workload whose prompts a variant reuses: edit-t0.7 -> edit; json-schema and tool-call -> json."""
+    return "json" if name in ("json-schema", "tool-call") else name.split("-t")[0]

@@ -319,7 +319,7 @@ class GatewaySettings(BaseSettings):
     max_concurrent: int = Field(8, ge=1, description="requests generating at once (more wait in the queue)")
     max_queue: int = Field(64, ge=0, description="requests waiting for a slot; beyond this: 429 with Retry-After")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest request body accepted (413 above)")
-    max_tokens_limit: int = Field(8192, ge=1, description="largest max_tokens a request may ask for")
+    max_tokens_limit: int = Field(8192, ge=1, description="most tokens one answer may have (larger max_tokens: capped)")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @model_validator(mode="after")

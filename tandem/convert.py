@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tandem.errors import InvalidArgument
+from tandem.grammar import Constraint
 from tandem.sampling import SamplingParams, SparseDist
 from tandem.v1 import tandem_pb2 as pb
 
@@ -37,6 +38,20 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
     if params.seed is not None:
         msg.seed = params.seed
     return msg
+
+
+def constraint_from_pb(msg: pb.OpenItem) -> Constraint | None:
+    """The item's constraint, if any (compiled later, by the verifier that owns the tokenizer)."""
+    if not msg.HasField("constraint"):
+        return None
+    kind = msg.constraint.WhichOneof("grammar")
+    if kind is None:
+        raise InvalidArgument("constraint needs one of json_schema, lark or regex")
+    return Constraint(kind, getattr(msg.constraint, kind))
+
+
+def constraint_to_pb(constraint: Constraint) -> pb.Constraint:
+    return pb.Constraint(**{constraint.kind: constraint.source})
 
 
 def dist_to_pb(dist: SparseDist) -> pb.SparseDistribution:

@@ -46,6 +46,8 @@ class Session:
     repeats: RepeatWatches | None = None
     #: The caller's prompt lookup run here (Continuation.lookup): an index of the sequence; built on first use.
     lookup_index: NgramIndex | None = None
+    #: Constrained decoding (OpenItem.constraint): a tandem.grammar.GrammarState over the emitted tokens.
+    grammar: Any = None
 
     @property
     def position(self) -> int:

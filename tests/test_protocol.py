@@ -39,9 +39,7 @@ def completion(**fields: Any) -> CompletionRequest:
     [
         ({"n": 2}, "n"),
         ({"n": 0}, "n"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"logit_bias": {"50256": -100}}, "logit_bias"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"presence_penalty": -1}, "presence_penalty"),

@@ -588,6 +588,8 @@ def emitted_distribution(
     k: int,
     accept_fn: AcceptFn = acceptance_probability,
     residual_fn: ResidualFn = residual_distribution,
+    target: Callable[[tuple[int, ...]], np.ndarray] | None = None,
+    draft: Callable[[tuple[int, ...]], list[tuple[int, SparseDist | None, float]]] | None = None,
 ) -> np.ndarray:
     """Exact probability of each sequence of the first LENGTH emitted tokens under speculative decoding.
 
@@ -595,10 +597,10 @@ def emitted_distribution(
     accept_fn), recovered token (weighted by residual_fn) and bonus token (weighted by p). A draft is only
     consulted for position i once d_1..d_{i-1} were accepted, which is the same joint law as drafting all k
     tokens up front, because later drafts are discarded on rejection. Branches stop once LENGTH tokens exist:
-    what follows cannot change the first LENGTH tokens.
+    what follows cannot change the first LENGTH tokens. `target` / `draft` replace the scenario's (masked tests).
     """
-    target = target_dist_fn(sc)
-    draft = draft_fn(sc)
+    target = target or target_dist_fn(sc)
+    draft = draft or draft_fn(sc)
     out = np.zeros((V,) * LENGTH)
 
     def emit(seq: tuple[int, ...], w: float) -> None:
@@ -632,9 +634,11 @@ def emitted_distribution(
     return out
 
 
-def autoregressive_distribution(sc: Scenario) -> np.ndarray:
+def autoregressive_distribution(
+    sc: Scenario, target: Callable[[tuple[int, ...]], np.ndarray] | None = None
+) -> np.ndarray:
     """Ground truth: the product of the target's warped conditionals."""
-    target = target_dist_fn(sc)
+    target = target or target_dist_fn(sc)
     out = np.zeros((V,) * LENGTH)
     for seq in itertools.product(range(V), repeat=LENGTH):
         out[seq] = math.prod(target(seq[:i])[seq[i]] for i in range(LENGTH))
@@ -648,6 +652,66 @@ def test_speculative_decoding_is_exactly_lossless(sc: Scenario, k: int) -> None:
     got = emitted_distribution(sc, k)
     assert expected.sum() == pytest.approx(1.0, abs=1e-12)
     assert np.max(np.abs(got - expected)) < 1e-9
+
+
+def _allowed(prefix: tuple[int, ...]) -> np.ndarray:
+    """A toy grammar over the V tokens: t may follow `prefix` unless (sum(prefix) + t) % V == 0 (3 of 4 allowed)."""
+    return np.array([(sum(prefix) + t) % V != 0 for t in range(V)])
+
+
+def _masked(logits: np.ndarray, prefix: tuple[int, ...]) -> np.ndarray:
+    return np.where(_allowed(prefix), logits, -np.inf)
+
+
+def masked_target_fn(sc: Scenario) -> Callable[[tuple[int, ...]], np.ndarray]:
+    """The constrained target: its logits masked first, then warped (temperature, top-k, top-p), as the target does
+    (tandem.grammar): truncation then never leaves no valid token."""
+    return cache(lambda prefix: warp(_masked(_logits(11, prefix), prefix), sc.target))
+
+
+def masked_draft_fn(sc: Scenario) -> Callable[[tuple[int, ...]], list[tuple[int, SparseDist | None, float]]]:
+    """A draft that knows the grammar: its q masked the same way."""
+
+    @cache
+    def proposals(prefix: tuple[int, ...]) -> list[tuple[int, SparseDist | None, float]]:
+        logits = _masked(_logits(22, prefix), prefix)
+        if sc.draft is None:
+            return [(int(np.argmax(logits)), None, 1.0)]
+        q = truncate(warp(logits, sc.draft), sc.max_support)
+        return [(int(t), q, float(w)) for t, w in zip(q.token_ids, q.probs, strict=True) if w > 0.0]
+
+    return proposals
+
+
+@pytest.mark.parametrize("draft_knows_grammar", [False, True], ids=["unmasked draft", "masked draft"])
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("sc", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_constrained_speculative_decoding_is_exactly_lossless(sc: Scenario, k: int, draft_knows_grammar: bool) -> None:
+    """With a grammar, the target's p is masked then warped; a draft that ignores the grammar proposes forbidden
+    tokens, which p rejects with probability 1. The emitted sequences then have exactly the constrained target
+    distribution, and every one of them obeys the grammar."""
+    target = masked_target_fn(sc)
+    draft = masked_draft_fn(sc) if draft_knows_grammar else None
+    expected = autoregressive_distribution(sc, target)
+    got = emitted_distribution(sc, k, target=target, draft=draft)
+    assert expected.sum() == pytest.approx(1.0, abs=1e-12)
+    assert np.max(np.abs(got - expected)) < 1e-9
+    for seq in zip(*np.nonzero(got), strict=True):
+        assert all(_allowed(tuple(int(t) for t in seq[:i]))[seq[i]] for i in range(LENGTH)), seq
+    unconstrained = target_dist_fn(sc)  # the grammar bites: it moves the target's distribution somewhere
+    prefixes = [pre for n in range(LENGTH) for pre in itertools.product(range(V), repeat=n)]
+    assert any(np.max(np.abs(target(pre) - unconstrained(pre))) > 0.01 for pre in prefixes)
+
+
+def test_an_unmasked_draft_proposes_forbidden_tokens() -> None:
+    """Guards the constrained test: the draft that ignores the grammar does propose tokens the grammar forbids."""
+    sc = SCENARIOS[0]
+    draft = draft_fn(sc)
+    forbidden = [
+        d for n in range(LENGTH) for pre in itertools.product(range(V), repeat=n) for d, _, _ in draft(pre)
+        if not _allowed(pre)[d]
+    ]  # fmt: skip
+    assert forbidden
 
 
 def test_scenarios_are_not_trivial() -> None:

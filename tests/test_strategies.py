@@ -197,3 +197,23 @@ def test_an_ngram_service_that_dies_leaves_target_only_decoding_and_the_same_tex
     assert generation.stats.speculation == "degraded"
     assert sum(call[0] == "propose" for call in draft.calls) == 2  # one answered, the second failed, no third
     assert generation.stats.k_rounds >= 1  # the failed round still counts as a round of k = 0 (match policy)
+
+
+@pytest.mark.parametrize(
+    ("asked", "limit", "expected"),
+    [(None, 8192, 64), (10**7, 8192, 93), (10**7, 50, 50), (20, 8192, 20)],
+    ids=["default", "past the room", "past the limit", "within both"],
+)
+def test_max_tokens_is_capped_at_the_room_and_the_limit(asked, limit: int, expected: int) -> None:
+    """max_tokens past the context's room or --max-tokens-limit is capped (the answer then ends with "length"),
+    as llama-server does, instead of a 400: agents always ask for more than a small context holds."""
+    from services.gateway.protocol import ChatCompletionRequest
+    from services.gateway.serving import Serving
+    from tandem.config import GatewaySettings
+
+    up = FakeUpstreams(FakeTarget(TEXT))
+    up.target_info.context_size = 100  # room for 100 - 7 prompt tokens
+    settings = GatewaySettings(max_tokens_limit=limit, max_tokens_default=64)
+    serving = Serving(up, settings)  # type: ignore[arg-type]
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    assert serving.generation_request(body, PROMPT, asked, -1).max_tokens == expected

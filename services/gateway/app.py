@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from grpc_health.v1 import health_pb2
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from services.gateway import chat, completions, errors
+from services.gateway import chat, completions, errors, messages, responses
 from services.gateway.chat_template import ChatTemplate
 from services.gateway.errors import OpenAIError
 from services.gateway.guards import OPEN_PATHS, BodyLimit, check_api_key
@@ -38,7 +38,14 @@ class Colocated:
     overlap: bool = False  # the gateway drafts ahead (--overlap-draft)
 
 
-KNOWN_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models"}
+KNOWN_ENDPOINTS = {
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/responses",
+}
 
 
 @meta.get("/health")
@@ -173,12 +180,12 @@ def create_app(settings: GatewaySettings | None = None, colocated: Colocated | N
         path = request.url.path
         try:
             if path not in OPEN_PATHS:
-                check_api_key(request.headers.get("authorization"), settings.api_keys)
+                check_api_key(request.headers.get("authorization"), settings.api_keys, request.headers.get("x-api-key"))
             if path.startswith("/v1/") and getattr(request.app.state, "serving", None) is None:
                 raise OpenAIError(503, "the model services are not ready yet", None, "loading")
             response = await call_next(request)
         except OpenAIError as exc:
-            response = exc.response()
+            response = exc.response(path)
         if path.startswith("/v1/"):
             endpoint = path if path in KNOWN_ENDPOINTS else "other"
             request.app.state.metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
@@ -188,4 +195,6 @@ def create_app(settings: GatewaySettings | None = None, colocated: Colocated | N
     app.include_router(meta)
     app.include_router(chat.router)
     app.include_router(completions.router)
+    app.include_router(messages.router)
+    app.include_router(responses.router)
     return app

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.serving import Delta, Serving, new_id, now, stream_events, usage
+from services.gateway.speculation import Generation
 from services.gateway.streaming import DisconnectAwareStreamingResponse
+from services.gateway.tools import (
+    CallFilter,
+    Tool,
+    ToolCall,
+    ToolFormatName,
+    choose_format,
+    forced_call_grammar,
+    generic_system_message,
+    parse_calls,
+    render_call,
+)
 from tandem.v1 import tandem_pb2 as pb
 
 router = APIRouter()
@@ -32,24 +47,120 @@ def _logprobs(tokens: list[pb.Token], wanted: bool) -> dict | None:
     return {"content": [_logprob_entry(t) for t in tokens if t.HasField("logprob") and not t.is_eog]}
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
+def _messages(body: ChatCompletionRequest, fmt: ToolFormatName | None, tools: list[Tool]) -> list[dict]:
+    """The messages as the chat template takes them: tool calls and results in the model's own form where the
+    template does not write them itself, and (generic form) a system message describing the tools."""
+    native = fmt is not None and fmt != "generic"
+    out: list[dict] = []
+    for i, m in enumerate(body.messages):
+        text = m.text(i)
+        if m.role == "assistant" and m.tool_calls:
+            calls = [ToolCall(c.function.name, c.function.arguments, c.id) for c in m.tool_calls]
+            if native:
+                out.append(
+                    {
+                        "role": "assistant",
+                        "content": text,
+                        "tool_calls": [
+                            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _args(c)}}
+                            for c in calls
+                        ],
+                    }
+                )
+            else:
+                out.append(
+                    {"role": "assistant", "content": (text + "\n" if text else "") + render_call("hermes", calls)}
+                )
+        elif m.role == "tool":
+            if native:
+                out.append({"role": "tool", "content": text, "tool_call_id": m.tool_call_id or ""})
+            else:
+                out.append({"role": "tool", "content": f"<tool_response>\n{text}\n</tool_response>"})
+        else:
+            out.append({"role": m.role, "content": text})
+    if tools and fmt == "generic":
+        system = generic_system_message(tools)
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + system}
+        else:
+            out.insert(0, {"role": "system", "content": system})
+    return out
+
+
+def _args(call: ToolCall) -> object:
+    try:
+        return json.loads(call.arguments)
+    except ValueError:
+        return call.arguments
+
+
+@dataclass
+class PreparedChat:
+    """A chat request rendered, tokenized and started: what the endpoints that speak chat (/v1/chat/completions,
+    /v1/messages) share."""
+
+    serving: Serving
+    prompt_ids: list[int]
+    tools: list[Tool]
+    fmt: ToolFormatName | None
+    stop: list[str]
+    top: int
+    generation: Generation | None
+
+
+async def prepare_chat(body: ChatCompletionRequest, request: Request, start: bool = True) -> PreparedChat:
+    """Render the messages with the model's template (tools included), tokenize, and start the generation (a forced
+    tool call becomes the grammar it must match)."""
     serving: Serving = request.app.state.serving
     serving.check_model(body.model)
-    messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
-    prompt = request.app.state.chat_template.render(messages)
+    template = request.app.state.chat_template
+    tools = body.tool_list()
+    fmt: ToolFormatName | None = choose_format(template.source) if tools else None
+    messages = _messages(body, fmt, tools)
+    native_tools = [t.as_openai() for t in tools] if fmt not in (None, "generic") else None
+    prompt = template.render(messages, tools=native_tools)
     bos = serving.up.target_info.bos_text
     add_bos = not (bos and prompt.startswith(bos))
     prompt_ids = await serving.tokenize(prompt, add_special=add_bos, parse_special=True)
     top = body.requested_top_logprobs()
-    gen_req = serving.generation_request(body, prompt_ids, body.requested_max_tokens(), top)
     stop = body.stop_list()
-    generation = serving.start(gen_req)
+    generation = None
+    if start:
+        forced = body.forced_tools(tools) if tools else None
+        constraint = forced_call_grammar(fmt, forced, body.parallel_tool_calls) if forced and fmt else None
+        max_tokens = body.requested_max_tokens()
+        gen_req = serving.generation_request(body, prompt_ids, max_tokens, top, constraint, "tool_choice")
+        generation = serving.start(gen_req)
+    return PreparedChat(serving, prompt_ids, tools, fmt, stop, top, generation)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    prepared = await prepare_chat(body, request)
+    serving, generation, tools, fmt, stop, top = (
+        prepared.serving,
+        prepared.generation,
+        prepared.tools,
+        prepared.fmt,
+        prepared.stop,
+        prepared.top,
+    )
     completion_id, created = new_id("chatcmpl"), now()
     base = {"id": completion_id, "created": created, "model": serving.model_name}
 
     if not body.stream:
         out = await serving.complete(generation, stop)
+        message: dict = {"role": "assistant", "content": out.text}
+        finish = out.finish_reason
+        if tools and fmt is not None:
+            content, calls = parse_calls(fmt, out.text, tools)
+            if calls:
+                message = {
+                    "role": "assistant",
+                    "content": content or None,
+                    "tool_calls": [c.as_openai() for c in calls],
+                }
+                finish = "tool_calls"
         return JSONResponse(
             {
                 **base,
@@ -57,9 +168,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": out.text},
+                        "message": message,
                         "logprobs": _logprobs(out.tokens, top >= 0),
-                        "finish_reason": out.finish_reason,
+                        "finish_reason": finish,
                     }
                 ],
                 "usage": usage(out.stats),
@@ -70,32 +181,42 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     deltas = serving.deltas(generation, stop)
     first = await anext(deltas)  # the prefill: failures here still get a real HTTP status
     role_sent = False
+    calls_held = CallFilter(fmt, tools) if tools and fmt is not None else None
 
-    def chunk(delta: Delta) -> dict | None:
+    def payload(delta: dict, finish: str | None, tokens: list[pb.Token]) -> dict:
+        return {
+            **base,
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": delta, "logprobs": _logprobs(tokens, top >= 0), "finish_reason": finish}],
+        }
+
+    def chunk(delta: Delta) -> list[dict]:
         nonlocal role_sent
+        text = calls_held.feed(delta.text) if calls_held is not None else delta.text
+        calls: list[ToolCall] = []
+        finish = delta.finish_reason
+        if finish is not None and calls_held is not None:
+            rest, calls = calls_held.finish()
+            text += rest
         content: dict = {}
         if not role_sent:
             content["role"] = "assistant"
             role_sent = True
-        if delta.text or "role" in content:
-            content["content"] = delta.text
-        if not content and delta.finish_reason is None and not (top >= 0 and delta.tokens):
-            return None
-        payload = {
-            **base,
-            "object": "chat.completion.chunk",
-            "choices": [
-                {
-                    "index": 0,
-                    "delta": content,
-                    "logprobs": _logprobs(delta.tokens, top >= 0),
-                    "finish_reason": delta.finish_reason,
-                }
-            ],
-        }
-        if delta.finish_reason is not None:
-            payload["timings"] = generation.stats.timings(body.timings_detail)
-        return payload
+        if text or "role" in content:
+            content["content"] = text
+        out = []
+        if content or (top >= 0 and delta.tokens) or (finish is not None and not calls):
+            out.append(payload(content, None if calls else finish, delta.tokens))
+        for index, call in enumerate(calls):  # OpenAI's shape: id, type and name first, then the arguments
+            head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            out.append(payload({"tool_calls": [head]}, None, []))
+            args = {"index": index, "function": {"arguments": call.arguments}}
+            out.append(payload({"tool_calls": [args]}, None, []))
+        if calls:
+            out.append(payload({}, "tool_calls", []))
+        if finish is not None:
+            out[-1]["timings"] = generation.stats.timings(body.timings_detail)
+        return out
 
     def tail() -> list[dict]:
         if not body.include_usage():

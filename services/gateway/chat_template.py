@@ -33,13 +33,16 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The prompt; `tools` (OpenAI's tool objects) go to templates that know tools, as Hugging Face passes them."""
+        extra = {"tools": tools} if tools else {}
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **extra,
             )
         except TemplateError as exc:
             raise OpenAIError(400, f"the model's chat template rejected the messages: {exc}", "messages") from exc

@@ -59,9 +59,29 @@ class OpenAIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
+    def response(self, path: str = "") -> JSONResponse:
+        """OpenAI's error shape, or Anthropic's on the /v1/messages routes."""
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        body = anthropic_error_body(self) if path.startswith(ANTHROPIC_PATHS) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+ANTHROPIC_PATHS = ("/v1/messages",)
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_body(exc: OpenAIError) -> dict:
+    """Anthropic's shape: {"type": "error", "error": {"type", "message"}}."""
+    kind = _ANTHROPIC_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
 
 
 def from_grpc(exc: grpc.aio.AioRpcError) -> OpenAIError:
@@ -94,35 +114,36 @@ def _param_of(loc: tuple) -> str | None:
 def install(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
+        path = request.url.path
         if first.get("type") == "json_invalid":
-            return OpenAIError(400, "request body is not valid JSON", None, "invalid_json").response()
+            return OpenAIError(400, "request body is not valid JSON", None, "invalid_json").response(path)
         # A validator may have raised our own error (unsupported parameter): keep its message and param.
         ctx_error = (first.get("ctx") or {}).get("error")
         if isinstance(ctx_error, OpenAIError):
-            return ctx_error.response()
+            return ctx_error.response(path)
         param = _param_of(tuple(first.get("loc", ())))
         message = first.get("msg", "invalid request")
         if param:
             message = f"{param}: {message}"
-        return OpenAIError(400, message, param, "invalid_value").response()
+        return OpenAIError(400, message, param, "invalid_value").response(path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return OpenAIError(exc.status_code, str(exc.detail)).response()
+        return OpenAIError(exc.status_code, str(exc.detail)).response(request.url.path)
 
     @app.exception_handler(grpc.aio.AioRpcError)
     async def _grpc(request: Request, exc: grpc.aio.AioRpcError) -> JSONResponse:
-        return from_grpc(exc).response()
+        return from_grpc(exc).response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _other(request: Request, exc: Exception) -> JSONResponse:
-        return as_openai_error(exc).response()
+        return as_openai_error(exc).response(request.url.path)
 
 
 def sse_error(exc: BaseException) -> str:

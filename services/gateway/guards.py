@@ -16,12 +16,13 @@ from services.gateway.errors import OpenAIError
 OPEN_PATHS = ("/health",)
 
 
-def check_api_key(authorization: str | None, keys: list[str]) -> None:
-    """Constant-time comparison against every configured key (no early exit that would leak which one matched)."""
+def check_api_key(authorization: str | None, keys: list[str], x_api_key: str | None = None) -> None:
+    """Constant-time comparison against every configured key (no early exit that would leak which one matched).
+    `Authorization: Bearer <key>` or, as Anthropic's clients send it, `x-api-key: <key>`."""
     if not keys:
         return
     scheme, _, token = (authorization or "").partition(" ")
-    presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+    presented = token.strip().encode() if scheme.lower() == "bearer" else (x_api_key or "").strip().encode()
     matched = False
     for key in keys:
         matched |= hmac.compare_digest(presented, key.encode())

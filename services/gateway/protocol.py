@@ -1,21 +1,24 @@
 """OpenAI request models (the subset tandem serves) and their translation into a GenerationRequest.
 
 Unknown fields are accepted and ignored, as OpenAI-compatible servers do, except where ignoring them would change
-the answer silently (n > 1, tools, response_format, logit_bias...): those are a 400 naming the parameter.
+the answer silently (n > 1, tools, logit_bias...): those are a 400 naming the parameter.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.gateway.errors import OpenAIError
+from services.gateway.tools import Tool
+from tandem.grammar import Constraint
 from tandem.sampling import SamplingParams
 
 MAX_STOP_SEQUENCES = 16
 # Explicit OpenAI defaults change nothing and are accepted.
-HARMLESS_VALUES: dict[str, tuple] = {"best_of": (1,), "response_format": ({"type": "text"},)}
+HARMLESS_VALUES: dict[str, tuple] = {"best_of": (1,)}
 # OpenAI's penalties and llama-server's sampler extensions, accepted at the value that leaves the distribution as it
 # is; any other would change what is sampled, so it is a 400 rather than ignored (Open WebUI and llama.cpp clients
 # send some of them).
@@ -31,11 +34,8 @@ NEUTRAL_ONLY: dict[str, float] = {
 }
 # Accepted by OpenAI but not served here: ignoring them would change the answer silently.
 UNSUPPORTED = (
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
-    "response_format",
     "logit_bias",
     "suffix",
     "best_of",
@@ -44,6 +44,37 @@ UNSUPPORTED = (
     "modalities",
     "prediction",
 )
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema the output must match (always enforced, `strict` or not)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`; llama-server's `schema` beside `json_object` is accepted too."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+
+    def constraint(self) -> Constraint | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            schema = self.schema_ if self.schema_ is not None else {"type": "object"}
+            return Constraint("json_schema", json.dumps(schema))
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise OpenAIError(400, "response_format json_schema needs json_schema.schema", "response_format")
+        return Constraint("json_schema", json.dumps(self.json_schema.schema_))
 
 
 class StreamOptions(BaseModel):
@@ -56,11 +87,46 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -112,6 +178,7 @@ class SamplingFields(BaseModel):
         description="extension: choose each round's draft length in n_min..n_max (default: the server's setting,"
         " which never applies to a seeded sampled request: timing-driven lengths would change its text)",
     )
+    response_format: ResponseFormat | None = None
     timings_detail: bool = Field(
         False, description="extension: add tandem's split of round time and its round counters to `timings`"
     )
@@ -156,6 +223,39 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+        if not self.tools and self.tool_choice not in (None, "none", "auto"):
+            raise OpenAIError(400, "tool_choice needs tools", "tool_choice")
+        return self
+
+    def tool_list(self) -> list[Tool]:
+        """The tools the model may call ([] with none, or with tool_choice "none")."""
+        if not self.tools or self.tool_choice == "none":
+            if self.tool_choice not in (None, "none", "auto"):
+                raise OpenAIError(400, "tool_choice needs tools", "tool_choice")
+            return []
+        tools = [Tool(t.function.name, t.function.description, t.function.parameters or {}) for t in self.tools]
+        if len({t.name for t in tools}) != len(tools):
+            raise OpenAIError(400, "tool names must be unique", "tools")
+        return tools
+
+    def forced_tools(self, tools: list[Tool]) -> list[Tool] | None:
+        """The tools one of which the answer must call (tool_choice "required" or named), else None."""
+        if self.tool_choice == "required":
+            return tools
+        if isinstance(self.tool_choice, NamedToolChoice):
+            named = [t for t in tools if t.name == self.tool_choice.function.name]
+            if not named:
+                raise OpenAIError(
+                    400, f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools", "tool_choice"
+                )
+            return named
+        return None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -21,6 +21,8 @@ from services.gateway.speculation import Generation, GenerationOptions, Generati
 from services.gateway.text import TextAssembler
 from services.gateway.upstream import Upstreams
 from tandem.config import GatewaySettings
+from tandem.errors import InvalidArgument
+from tandem.grammar import Constraint
 from tandem.v1 import tandem_pb2 as pb
 
 # Default draft lengths when --n-max is unset (docs/decisions/0001).
@@ -76,8 +78,15 @@ class Serving:
         return list(reply.token_ids)
 
     def generation_request(
-        self, req: SamplingFields, prompt_ids: Sequence[int], max_tokens: int | None, top_logprobs: int
+        self,
+        req: SamplingFields,
+        prompt_ids: Sequence[int],
+        max_tokens: int | None,
+        top_logprobs: int,
+        constraint: Constraint | None = None,
+        constraint_param: str = "response_format",
     ) -> GenerationRequest:
+        """`constraint`: one the endpoint made (a forced tool call), instead of the request's response_format."""
         n_prompt = len(prompt_ids)
         if n_prompt == 0:
             raise OpenAIError(400, "the prompt is empty", "prompt")
@@ -89,22 +98,15 @@ class Serving:
                 "messages",
                 "context_length_exceeded",
             )
-        if max_tokens is not None and max_tokens > self.settings.max_tokens_limit:
-            raise OpenAIError(
-                400, f"max_tokens may be at most {self.settings.max_tokens_limit}", "max_tokens", "invalid_value"
-            )
+        # Beyond the room left (or the operator's --max-tokens-limit) max_tokens is capped and the answer ends with
+        # finish_reason "length", as llama-server does: agents such as Claude Code always ask for far more.
         if max_tokens is None:
-            max_tokens = min(self.settings.max_tokens_default, room)
-        elif max_tokens > room:
-            raise OpenAIError(
-                400,
-                f"max_tokens {max_tokens} + prompt {n_prompt} tokens exceeds the context of {self.context_size}",
-                "max_tokens",
-                "context_length_exceeded",
-            )
+            max_tokens = self.settings.max_tokens_default
+        max_tokens = min(max_tokens, room, self.settings.max_tokens_limit)
         n_max = self.default_n_max if req.speculative_n_max is None else req.speculative_n_max
         n_min = self.settings.n_min if req.speculative_n_min is None else req.speculative_n_min
         ngram_min = self._ngram_min(req.speculative_ngram_min)
+        constraint = self._constraint(req, constraint, constraint_param)
         return GenerationRequest(
             prompt_token_ids=list(prompt_ids),
             sampling=req.sampling_params(),
@@ -114,7 +116,26 @@ class Serving:
             top_logprobs=top_logprobs,
             adaptive=self._adaptive(req),
             ngram_min=ngram_min,
+            constraint=constraint,
         )
+
+    def _constraint(self, req: SamplingFields, given: Constraint | None, param: str) -> Constraint | None:
+        """The request's constraint, compiled here once so that a bad schema is a 400 that names the parameter (the
+        target compiles it again for its vocabulary)."""
+        requested = req.response_format.constraint() if req.response_format is not None else None
+        if given is not None and requested is not None:
+            raise OpenAIError(400, "response_format cannot be combined with a forced tool call", "response_format")
+        constraint = given or requested
+        if constraint is None:
+            return None
+        param = param if given is not None else "response_format"
+        if not self.up.target_info.capabilities.constraints:
+            raise OpenAIError(400, "this target does not support constrained output", param)
+        try:
+            constraint.grammar()
+        except InvalidArgument as exc:
+            raise OpenAIError(400, f"{param}: {exc}", param, "invalid_value") from exc
+        return constraint
 
     def _ngram_min(self, requested: int | None) -> int:
         """The shortest suffix match that drafts, for this request's lookup in the gateway."""
@@ -194,6 +215,10 @@ def now() -> int:
     return int(time.time())
 
 
+def _payloads(chunk: dict | list[dict] | None) -> list[dict]:
+    return chunk if isinstance(chunk, list) else [chunk] if chunk is not None else []
+
+
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
@@ -201,19 +226,17 @@ def sse(payload: dict) -> str:
 async def stream_events(
     first: Delta | None,
     rest: AsyncIterator[Delta],
-    chunk: Callable[[Delta], dict | None],
+    chunk: Callable[[Delta], dict | list[dict] | None],
     tail: Callable[[], list[dict]],
 ) -> AsyncIterator[str]:
     """SSE frames: a chunk per delta, then the tail (final/usage chunks), then [DONE]; errors become an error event."""
     try:
         async with aclosing(rest):
             if first is not None:
-                payload = chunk(first)
-                if payload is not None:
+                for payload in _payloads(chunk(first)):
                     yield sse(payload)
             async for delta in rest:
-                payload = chunk(delta)
-                if payload is not None:
+                for payload in _payloads(chunk(delta)):
                     yield sse(payload)
         for payload in tail():
             yield sse(payload)

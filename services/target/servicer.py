@@ -23,7 +23,7 @@ from services.target.verifier import (
     VerifyResult,
     VerifySpec,
 )
-from tandem.convert import dist_from_pb, info_pb, sampling_from_pb, serving_stats
+from tandem.convert import constraint_from_pb, dist_from_pb, info_pb, sampling_from_pb, serving_stats
 from tandem.errors import InvalidArgument, TandemError
 from tandem.grpc_server import ServiceLoading, stream_replies
 from tandem.ngram import LookupRule
@@ -194,6 +194,7 @@ class TargetServicer(pb_grpc.TargetServicer):
         msg.capabilities.synthetic_acceptance = v.synthetic_label
         msg.capabilities.prompt_lookup = True
         msg.capabilities.continues_rounds = True
+        msg.capabilities.constraints = True
         return msg
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
@@ -212,6 +213,7 @@ class TargetServicer(pb_grpc.TargetServicer):
                 list(item.prompt_token_ids),
                 sampling_from_pb(item.sampling),
                 item.top_logprobs if item.logprobs else -1,
+                constraint_from_pb(item),
             )
             for item in request.items
         ]

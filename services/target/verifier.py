@@ -18,6 +18,7 @@ import numpy as np
 from tandem import acceptance, sampling
 from tandem.engine import DecodeItem, Engine
 from tandem.errors import ConditionNotMet, InvalidArgument, SessionNotFound, TandemError
+from tandem.grammar import Constraint, GrammarState, tokenizer_for
 from tandem.ngram import LookupRule
 from tandem.sampling import SamplingParams, SparseDist
 from tandem.scheduler import plan_step, step_results
@@ -39,6 +40,7 @@ class OpenSpec:
     prompt: Sequence[int]
     sampling: SamplingParams
     top_logprobs: int = -1
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,7 @@ class Verifier:
         self.store = SessionStore(engine.settings.max_sessions, idle_timeout_s)
         self.verify_mode = verify_mode
         self.prefix_cache = prefix_cache
+        self._tokenizer = None  # llguidance's view of the vocabulary, for constrained sessions
 
     # ---------------------------------------------------------------- helpers
 
@@ -164,9 +167,25 @@ class Verifier:
         return EmittedToken(token, self.engine.pieces[token], self.engine.is_eog(token), logprob, top)
 
     def _pick(self, session: Session, row: np.ndarray) -> int:
+        """The target's own token from one logits row (masked first for a constrained session)."""
+        if session.grammar is not None:
+            (row,), _ = session.grammar.mask_rows(row[None, :], ())
         if session.sampling.greedy:
-            return int(row.argmax())
-        return sampling.sample_logits(row, session.sampling, session.rng)
+            token = int(row.argmax())
+        else:
+            token = sampling.sample_logits(row, session.sampling, session.rng)
+        if session.grammar is not None:
+            session.grammar.take(token)
+        return token
+
+    def _grammar(self, constraint: Constraint | None) -> GrammarState | None:
+        """A constrained session's matcher; the vocabulary's llguidance tokenizer is built once, on first use."""
+        if constraint is None:
+            return None
+        grammar = constraint.grammar()  # InvalidArgument if it does not compile
+        if self._tokenizer is None:
+            self._tokenizer = tokenizer_for(self.engine)
+        return GrammarState(self._tokenizer, grammar, self.engine.n_vocab)
 
     def _check_room(self, session: Session, extra: int) -> None:
         if session.position + extra > self.engine.n_ctx:
@@ -199,7 +218,10 @@ class Verifier:
             for spec in specs:
                 if spec.session_id not in results:
                     rng = make_rng(spec.sampling.seed, salt=0)
-                    fresh.append(self.store.create(spec.session_id, spec.prompt, spec.sampling, rng, spec.top_logprobs))
+                    grammar = self._grammar(spec.constraint)
+                    session = self.store.create(spec.session_id, spec.prompt, spec.sampling, rng, spec.top_logprobs)
+                    session.grammar = grammar
+                    fresh.append(session)
             last_rows = yield from self._prefill(fresh)
         except BaseException:
             for s in fresh:
@@ -344,10 +366,11 @@ class Verifier:
         session.kv_catch_up(session.tokens[:-1])
         rows = []
         sequence = [session.tokens[-1], *drafts]
+        greedy_stop = session.sampling.greedy and session.grammar is None  # a grammar may change the argmax
         for i, token in enumerate(sequence):
             (row,) = self.engine.decode([DecodeItem(session.seq_id, [token], len(session.tokens) - 1 + i, "last")])
             rows.append(row[-1])
-            if session.sampling.greedy and i < len(drafts) and int(row[-1].argmax()) != drafts[i]:
+            if greedy_stop and i < len(drafts) and int(row[-1].argmax()) != drafts[i]:
                 break
         return np.stack(rows)
 
@@ -366,8 +389,13 @@ class Verifier:
     def _accept(self, session: Session, spec: VerifySpec, rows: np.ndarray, step: StepShape) -> VerifyResult:
         drafts = list(spec.draft_tokens)
         k = len(drafts)
+        consumed = 0
+        if session.grammar is not None:  # mask first: a draft the grammar forbids has probability 0
+            rows, consumed = session.grammar.mask_rows(rows, drafts)
         outcome = self.decide(session, spec, rows)
         n = outcome.n_accepted
+        if session.grammar is not None:
+            session.grammar.settle(consumed, n, outcome.next_token)
         emitted = [*drafts[:n], outcome.next_token]
         # KV now holds [pending, d1..dk] (or fewer in sequential mode); keep pending and the accepted drafts.
         start = len(session.tokens) - 1
@@ -380,7 +408,10 @@ class Verifier:
 
     def rollback(self, items: Sequence[tuple[str, int]]) -> None:
         """Shorten sessions to `position` tokens; the last kept token becomes pending again."""
+        before = {sid: self.store.get(sid).position for sid, _ in items}
         for session in self.store.rollback(items):
+            if session.grammar is not None:  # the matcher follows the emitted tokens back
+                session.grammar.rollback(before[session.session_id] - session.position)
             session.kv_catch_up(session.tokens[:-1])
             self.engine.truncate(session.seq_id, len(session.kv_tokens))
 

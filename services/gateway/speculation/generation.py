@@ -30,6 +30,7 @@ from services.gateway.speculation.ngram_service import NgramService
 from services.gateway.speculation.state import GenerationOptions, GenerationRequest, GenerationStats
 from services.gateway.speculation.target_only import TargetOnly
 from services.gateway.upstream import Upstreams
+from tandem.convert import constraint_to_pb
 from tandem.telemetry import metadata_for, tracer
 from tandem.v1 import tandem_pb2 as pb
 
@@ -147,6 +148,8 @@ class Generation:
             logprobs=self.req.top_logprobs >= 0,
             top_logprobs=max(self.req.top_logprobs, 0),
         )
+        if self.req.constraint is not None:
+            item.constraint.CopyFrom(constraint_to_pb(self.req.constraint))
         span = ctx.child("open")
         metadata = metadata_for(span)
         timeout = self.options.rpc_timeout_s

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tandem.grammar import Constraint
 from tandem.ngram import NGRAM_MAX, NGRAM_MIN
 from tandem.sampling import SamplingParams
 
@@ -24,6 +25,7 @@ class GenerationRequest:
     top_logprobs: int = -1  # -1 none, 0 chosen token only, n alternatives
     adaptive: bool = True  # choose k per round in [n_min, n_max] from measured costs and acceptance
     ngram_min: int = NGRAM_MIN  # the gateway's own lookup drafts behind suffix matches at least this long
+    constraint: Constraint | None = None  # what the output must match (the target masks with it)
 
 
 @dataclass(frozen=True)
