@@ -11,7 +11,7 @@ PROTO_OUT := tandem/v1/tandem_pb2.py
 
 BENCH_ARGS ?=
 
-.PHONY: features install proto run test bench load lint fmt docs clean
+.PHONY: features install proto run test bench load lint fmt docs clean clients
 
 install: $(VENV)/.installed $(PROTO_OUT)
 
@@ -33,7 +33,8 @@ $(PROTO_OUT): $(PROTO_SRC) $(VENV)/.installed
 	@touch tandem/v1/__init__.py
 
 run: install
-	$(PY) -m tandem.stack --port $(PORT) --drafter $(DRAFT) $(if $(COLOCATE),--colocate)
+	$(PY) -m tandem.stack --port $(PORT) --drafter $(DRAFT) $(if $(COLOCATE),--colocate) \
+	  $(if $(MODEL),--model $(MODEL)) $(if $(DRAFT_MODEL),--draft-model $(DRAFT_MODEL))
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -49,6 +50,11 @@ features: install
 # 32 streaming clients for 60 s against a stack started here (loopback only), with RSS of the three services.
 load: install
 	$(PY) -m bench.load_stack
+
+# One turn of each real coding CLI (Codex, Claude Code, OpenCode; pinned, from npm into .clients/) against a stack on
+# this machine, with a table of what each used and whether the turn completed (CLIENTS_ARGS="--model gemma3-270m").
+clients: install
+	$(PY) tools/clients.py $(CLIENTS_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

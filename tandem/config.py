@@ -18,10 +18,23 @@ from tandem.ngram import NGRAM_MAX, NGRAM_MIN
 KvCacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 
 
+MAX_DEFAULT_SESSIONS = 16
+
+
+def session_layout(n_ctx: int, max_sessions: int | None, n_ctx_train: int) -> tuple[int, int]:
+    """(session slots, KV cells) for `n_ctx` cells: unless the slots are given, as many as hold the model's training
+    context each (at least 1, at most 16); and never more cells a slot than that context."""
+    train = n_ctx_train if n_ctx_train > 0 else n_ctx
+    slots = max_sessions or max(1, min(MAX_DEFAULT_SESSIONS, n_ctx // train))
+    return slots, min(n_ctx, train * slots)
+
+
 class EngineSettings(BaseSettings):
     """How one model is loaded and pinned: one backend, one device, a bounded number of sessions."""
 
-    model: Path | None = Field(None, description="GGUF file; default: the embedded SmolLM2-135M-Instruct")
+    model: str | Path | None = Field(
+        None, description="GGUF path, or smollm2-135m (the default) or gemma3-270m (from PyPI)"
+    )
     device: str | None = Field(
         None,
         pattern=r"^(cpu|(gpu|cuda|rocm|hip|vulkan):\d+)$",
@@ -38,11 +51,14 @@ class EngineSettings(BaseSettings):
         32768, ge=64, description="KV cells of the whole context, split evenly between the session slots"
     )
     n_batch: int = Field(512, ge=16, description="largest batch given to one llama_decode call")
-    max_sessions: int = Field(
-        16,
+    # Unset: a session may use the model's whole training context (as llama-server serves it), so the slots are as
+    # many as --n-ctx holds at that size (SmolLM2's 8k: 4 in 32k cells; Gemma 3's 32k: 1). Set it for more, shorter
+    # slots; a slot never gets more than the training context.
+    max_sessions: int | None = Field(
+        None,
         ge=1,
         le=256,
-        description="session slots (KV sequences): how many sessions can be live at once",
+        description="session slots live at once (unset: as many as --n-ctx holds at the model's training context)",
     )
     prefix_cache: bool = Field(
         True,
@@ -306,7 +322,9 @@ class GatewaySettings(BaseSettings):
         " (at most 16; 0 = one)",
     )
     max_tokens_default: int = Field(512, ge=1, description="max_tokens when the request gives none")
-    rpc_timeout_s: float = Field(30.0, gt=0, description="deadline of each gRPC call")
+    rpc_timeout_s: float = Field(30.0, gt=0, description="deadline of each gRPC call but the prefill")
+    # An agent's 8k-token prompt takes ~40 s to prefill on a 2-core CPU.
+    open_timeout_s: float = Field(600.0, gt=0, description="deadline of the prefill (Open) of a request's prompt")
     startup_timeout_s: float = Field(600.0, gt=0, description="how long to wait for the services at start")
     upstream_tls_ca: Path | None = Field(None, description="PEM CA: talk TLS to the services, verifying them")
     upstream_tls_cert: Path | None = Field(None, description="PEM client certificate for mutual TLS")

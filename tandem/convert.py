@@ -100,7 +100,7 @@ def info_pb(engine: Engine, drafter: str = "", active_sessions: int = 0, kv_toke
         backend=engine.backend,
         device=engine.device,
         version=engine.version,
-        max_sessions=engine.settings.max_sessions,
+        max_sessions=engine.max_sessions,
         eog_token_ids=engine.eog_ids,
         chat_template=engine.chat_template,
         drafter=drafter,

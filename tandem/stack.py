@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 
 def _spawn(name: str, module: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -40,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         default="ngram",
         help="local-ngram: prompt lookup inside the gateway, no draft process (two processes)",
     )
-    parser.add_argument("--model", type=Path, default=None, help="target GGUF (default: embedded SmolLM2-135M)")
-    parser.add_argument("--draft-model", type=Path, default=None, help="draft GGUF for --drafter model")
+    parser.add_argument("--model", default=None, help="target GGUF path, or smollm2-135m (default) or gemma3-270m")
+    parser.add_argument("--draft-model", default=None, help="draft GGUF path or short name, for --drafter model")
     parser.add_argument("--target-port", type=int, default=50051)
     parser.add_argument("--draft-port", type=int, default=50052)
     parser.add_argument("--threads", type=int, default=0, help="CPU threads per model service (0 = all cores)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from tandem.config import DraftSettings
+from tandem.config import MAX_DEFAULT_SESSIONS, DraftSettings
 
 if TYPE_CHECKING:
     from services.draft.servicer import DraftServicer
@@ -36,9 +36,9 @@ def build_draft(settings: DraftSettings) -> tuple[DraftServicer, EngineWorker, C
             n_vocab, n_ctx = engine.n_vocab, engine.n_ctx
         else:
             drafter = NgramDrafter(settings.ngram_min, settings.ngram_max)
-        service = DraftService(
-            drafter, settings.max_sessions, settings.session_idle_timeout_s, n_vocab, n_ctx, settings.prefix_cache
-        )
+        # An n-gram draft holds no KV: its slots follow the setting, or the default of a model service's most slots.
+        slots = engine.max_sessions if engine is not None else settings.max_sessions or MAX_DEFAULT_SESSIONS
+        service = DraftService(drafter, slots, settings.session_idle_timeout_s, n_vocab, n_ctx, settings.prefix_cache)
         servicer.attach(
             service,
             engine,

@@ -155,7 +155,7 @@ def create_app(settings: GatewaySettings | None = None, colocated: Colocated | N
                 log.error("gateway start-up failed: %s", exc)
                 return
             info = upstreams.target_info
-            app.state.chat_template = ChatTemplate(info.chat_template, info.bos_text, info.eos_text)
+            app.state.chat_template = ChatTemplate(info.chat_template, info.bos_text, info.eos_text, info.architecture)
             app.state.upstreams = upstreams
             app.state.serving = Serving(upstreams, settings, app.state.metrics)
             log.info("gateway ready: serving %s", app.state.serving.model_name)

@@ -19,16 +19,30 @@ FALLBACK_TEMPLATE = (
 )
 
 
+# Gemma's turn format, for a Gemma GGUF without a template (the base 270M from PyPI): no system role, so system
+# messages become user turns; the model ends its turn with <end_of_turn>, an end-of-generation token.
+GEMMA_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def fallback_template(architecture: str) -> str:
+    """The template for a model whose GGUF has none."""
+    return GEMMA_TEMPLATE if architecture.startswith("gemma") else FALLBACK_TEMPLATE
+
+
 def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
 class ChatTemplate:
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", architecture: str = "") -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self.source = source or FALLBACK_TEMPLATE
+        self.source = source or fallback_template(architecture)
         self._template = env.from_string(self.source)
         self.bos_token = bos_token
         self.eos_token = eos_token

@@ -13,6 +13,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,17 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
         return from_grpc(exc)
     log.exception("unexpected error", exc_info=exc)
     return OpenAIError(500, f"internal error: {type(exc).__name__}")
+
+
+def from_validation(exc: ValidationError) -> OpenAIError:
+    """A 400 from a pydantic error raised while translating one API's request into another's."""
+    first = exc.errors()[0] if exc.errors() else {}
+    ctx_error = (first.get("ctx") or {}).get("error")
+    if isinstance(ctx_error, OpenAIError):
+        return ctx_error
+    param = _param_of(tuple(first.get("loc", ())))
+    message = first.get("msg", "invalid request")
+    return OpenAIError(400, f"{param}: {message}" if param else message, param, "invalid_value")
 
 
 def _param_of(loc: tuple) -> str | None:

@@ -15,10 +15,10 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.gateway.chat import prepare_chat
-from services.gateway.errors import OpenAIError, anthropic_error_body, as_openai_error
+from services.gateway.errors import OpenAIError, anthropic_error_body, as_openai_error, from_validation
 from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.serving import Delta, new_id
 from services.gateway.streaming import DisconnectAwareStreamingResponse
@@ -43,7 +43,7 @@ class Block(BaseModel):
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # Claude Code sends system reminders as messages too
     content: str | list[Block]
 
 
@@ -80,6 +80,12 @@ class MessagesRequest(BaseModel):
     thinking: dict[str, Any] | None = None  # accepted and ignored: these models do not think aloud
 
     def to_chat(self) -> ChatCompletionRequest:
+        try:
+            return self._to_chat()
+        except (KeyError, TypeError, AttributeError) as exc:  # a block of the wrong shape
+            raise OpenAIError(400, f"malformed messages: {type(exc).__name__}: {exc}", "messages") from exc
+
+    def _to_chat(self) -> ChatCompletionRequest:
         messages: list[dict] = []
         if self.system:
             messages.append({"role": "system", "content": _text(self.system, "system")})
@@ -115,7 +121,10 @@ class MessagesRequest(BaseModel):
                     "tool": {"type": "function", "function": {"name": choice.name or ""}},
                 }[choice.type]
                 body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
-        return ChatCompletionRequest.model_validate(body)
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise from_validation(exc) from exc
 
 
 def _text(content: str | list[Block], where: str) -> str:
@@ -132,6 +141,8 @@ def _text(content: str | list[Block], where: str) -> str:
 def _chat_messages(message: Message, index: int) -> list[dict]:
     """One Anthropic message as chat messages: tool results become tool messages, tool_use blocks tool calls."""
     where = f"messages[{index}].content"
+    if message.role == "system":
+        return [{"role": "system", "content": _text(message.content, where)}]
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     out: list[dict] = []

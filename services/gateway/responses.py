@@ -17,10 +17,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.gateway.chat import prepare_chat
-from services.gateway.errors import OpenAIError, as_openai_error
+from services.gateway.errors import OpenAIError, as_openai_error, from_validation
 from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.serving import Delta, new_id
 from services.gateway.streaming import DisconnectAwareStreamingResponse
@@ -55,6 +55,12 @@ class ResponsesRequest(BaseModel):
         return {t["name"] for t in self.tools or [] if t.get("type") == "custom" and t.get("name")}
 
     def to_chat(self) -> ChatCompletionRequest:
+        try:
+            return self._to_chat()
+        except (KeyError, TypeError, AttributeError) as exc:  # an item or tool of the wrong shape
+            raise OpenAIError(400, f"malformed input or tools: {type(exc).__name__}: {exc}", "input") from exc
+
+    def _to_chat(self) -> ChatCompletionRequest:
         if self.previous_response_id:
             raise OpenAIError(
                 400, "previous_response_id is not supported (responses are not stored)", "previous_response_id"
@@ -116,7 +122,10 @@ class ResponsesRequest(BaseModel):
             }
         elif fmt.get("type") == "json_object":
             body["response_format"] = {"type": "json_object"}
-        return ChatCompletionRequest.model_validate(body)
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise from_validation(exc) from exc
 
 
 def _text_of(content: Any, where: str) -> str:

@@ -52,7 +52,9 @@ class Serving:
         self.up = upstreams
         self.metrics = metrics
         self.settings = settings
-        self.admission = Admission(settings.max_concurrent, settings.max_queue)
+        # No more generations at once than the target has session slots: the rest wait in the queue.
+        slots = upstreams.target_info.max_sessions or settings.max_concurrent
+        self.admission = Admission(min(settings.max_concurrent, slots), settings.max_queue)
         self.costs = CostModel()  # the deployment's measured step costs, shared by all requests (adaptive k)
         self.options = GenerationOptions.from_settings(settings)
         self.model_name = settings.model_name or upstreams.target_info.model_name

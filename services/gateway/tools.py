@@ -25,7 +25,7 @@ from tandem.grammar import Constraint
 
 ToolFormatName = Literal["hermes", "mistral", "llama3", "generic"]
 GENERIC_SYSTEM = (
-    "You can call these tools (JSON Schema of each one's arguments):\n{tools}\n\n"
+    "You can call these tools (name, arguments, what it does):\n{tools}\n\n"
     "To call a tool, answer with one block per call and nothing else:\n"
     '<tool_call>\n{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}\n</tool_call>\n'
     "A tool's result comes back in a message of its own. If no tool is needed, answer normally."
@@ -80,11 +80,36 @@ def template_knows_tools(template_source: str) -> bool:
     return choose_format(template_source) != "generic"
 
 
+GENERIC_DESCRIPTION_CHARS = 200  # of each tool's description: agents send pages of it, small contexts cannot hold them
+
+
 def generic_system_message(tools: list[Tool]) -> str:
-    described = "\n".join(
-        json.dumps({"name": t.name, "description": t.description, "parameters": t.parameters}) for t in tools
+    """The tools in a few lines each: name, the start of the description, and the arguments with their types. Agents
+    send 10-20k tokens of schemas and descriptions; a forced call's grammar still enforces the full schema."""
+    return GENERIC_SYSTEM.format(tools="\n".join(_describe(t) for t in tools))
+
+
+def _describe(tool: Tool) -> str:
+    description = " ".join(tool.description.split())
+    if len(description) > GENERIC_DESCRIPTION_CHARS:
+        description = description[:GENERIC_DESCRIPTION_CHARS].rsplit(" ", 1)[0] + "..."
+    properties = tool.parameters.get("properties", {}) if isinstance(tool.parameters, dict) else {}
+    required = set(tool.parameters.get("required", [])) if isinstance(tool.parameters, dict) else set()
+    arguments = ", ".join(
+        f"{name}: {_type_of(schema)}{'' if name in required else ' (optional)'}" for name, schema in properties.items()
     )
-    return GENERIC_SYSTEM.format(tools=described)
+    return f"- {tool.name}({arguments}): {description}"
+
+
+def _type_of(schema: object) -> str:
+    if not isinstance(schema, dict):
+        return "any"
+    if "enum" in schema:
+        return " | ".join(json.dumps(v) for v in schema["enum"][:8])
+    kind = schema.get("type", "any")
+    if kind == "array":
+        return f"array of {_type_of(schema.get('items', {}))}"
+    return kind if isinstance(kind, str) else " | ".join(map(str, kind))
 
 
 def render_call(fmt: ToolFormatName, calls: list[ToolCall]) -> str:

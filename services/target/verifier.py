@@ -147,7 +147,7 @@ class Verifier:
         self, engine: Engine, idle_timeout_s: float, verify_mode: str = "batched", prefix_cache: bool = True
     ) -> None:
         self.engine = engine
-        self.store = SessionStore(engine.settings.max_sessions, idle_timeout_s)
+        self.store = SessionStore(engine.max_sessions, idle_timeout_s)
         self.verify_mode = verify_mode
         self.prefix_cache = prefix_cache
         self._tokenizer = None  # llguidance's view of the vocabulary, for constrained sessions

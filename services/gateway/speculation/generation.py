@@ -152,7 +152,7 @@ class Generation:
             item.constraint.CopyFrom(constraint_to_pb(self.req.constraint))
         span = ctx.child("open")
         metadata = metadata_for(span)
-        timeout = self.options.rpc_timeout_s
+        timeout = self.options.open_timeout_s
         try:
             target_call = ctx.up.target.Open(pb.OpenRequest(items=[item]), timeout=timeout, metadata=metadata)
             if not ctx.drafting or self.options.local_ngram:

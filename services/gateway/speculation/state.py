@@ -33,6 +33,7 @@ class GenerationOptions:
     """The gateway's settings that shape every generation (see tandem.config.GatewaySettings)."""
 
     rpc_timeout_s: float = 30.0
+    open_timeout_s: float = 600.0  # the prefill: long prompts on a CPU take minutes
     overlap: bool = False  # model drafters draft the next round while the target verifies this one
     local_ngram: bool = False  # the gateway drafts by prompt lookup itself, with no draft service
     ngram_max: int = NGRAM_MAX  # longest suffix the gateway's lookup indexes
@@ -45,6 +46,7 @@ class GenerationOptions:
     def from_settings(cls, settings) -> GenerationOptions:
         return cls(
             rpc_timeout_s=settings.rpc_timeout_s,
+            open_timeout_s=settings.open_timeout_s,
             overlap=settings.overlap_draft,
             local_ngram=settings.local_ngram,
             ngram_max=settings.local_ngram_max,
