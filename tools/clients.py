@@ -75,10 +75,10 @@ def start_stack(port: int, model: str, log: Path) -> subprocess.Popen:
 def turns(url: str, model: str, work: Path) -> list[tuple[str, str, list[str], dict]]:
     """(client, endpoint, command, extra environment) of each CLI's turn."""
     bin_dir = CLIENTS / "node_modules" / ".bin"
-    codex_home = work / "codex"
-    codex_home.mkdir()
-    (work / "opencode.json").write_text(json.dumps({
-        "$schema": "https://opencode.ai/config.json",
+    codex_home, claude_home, opencode_home = work / "codex", work / "claude-home", work / "opencode-home"
+    for folder in (codex_home, claude_home, opencode_home):
+        folder.mkdir()
+    (opencode_home / "opencode.json").write_text(json.dumps({
         "provider": {"local": {"npm": "@ai-sdk/openai-compatible", "options": {"baseURL": f"{url}/v1", "apiKey": "x"},
                                "models": {model: {"name": model}}}},
     }))  # fmt: skip
@@ -89,9 +89,9 @@ def turns(url: str, model: str, work: Path) -> list[tuple[str, str, list[str], d
           PROMPT], {"CODEX_HOME": str(codex_home)}),
         ("claude-code", "/v1/messages", [str(bin_dir / "claude"), "-p", "--model", model, PROMPT],
          {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "x", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-          "DISABLE_AUTOUPDATER": "1", "HOME": str(work)}),
+          "DISABLE_AUTOUPDATER": "1", "HOME": str(claude_home)}),
         ("opencode", "/v1/chat/completions", [str(bin_dir / "opencode"), "run", "-m", f"local/{model}", PROMPT],
-         {"HOME": str(work)}),
+         {"HOME": str(opencode_home)}),
     ]  # fmt: skip
 
 
@@ -99,6 +99,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="the stack's model: a path or a short name")
     parser.add_argument("--timeout", type=float, default=900, help="seconds each turn may take")
+    parser.add_argument("--only", default="", help="comma-separated clients to run (default: all three)")
     args = parser.parse_args()
     install()
     port = free_port()
@@ -109,13 +110,18 @@ def main() -> int:
     rows = []
     try:
         served = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=10).read())["data"][0]["id"]
+        chosen = set(filter(None, args.only.split(",")))
         for client, endpoint, cmd, extra in turns(url, served, work):
+            if chosen and client not in chosen:
+                continue
             version = subprocess.run([cmd[0], "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
             before = requests_served(url)
             t0 = time.monotonic()
             try:
-                done = subprocess.run(cmd, cwd=work, env={**os.environ, **extra}, capture_output=True, text=True,
-                                      timeout=args.timeout)  # fmt: skip
+                # Each client in a folder of its own; OpenCode reads its config from $PWD, not the working directory.
+                cwd = extra.get("HOME", str(work))
+                env = {**os.environ, **extra, "PWD": cwd}
+                done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=args.timeout)
                 rc, output = done.returncode, done.stdout + done.stderr
             except subprocess.TimeoutExpired:
                 rc, output = None, f"no answer in {args.timeout:.0f} s"
