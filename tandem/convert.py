@@ -12,6 +12,7 @@ import numpy as np
 
 from tandem.errors import InvalidArgument
 from tandem.grammar import Constraint
+from tandem.ngram import LookupRule
 from tandem.sampling import SamplingParams, SparseDist
 from tandem.v1 import tandem_pb2 as pb
 
@@ -52,6 +53,20 @@ def constraint_from_pb(msg: pb.OpenItem) -> Constraint | None:
 
 def constraint_to_pb(constraint: Constraint) -> pb.Constraint:
     return pb.Constraint(**{constraint.kind: constraint.source})
+
+
+def lookup_rule_from_pb(rule: pb.LookupRule) -> LookupRule:
+    """The caller's prompt-lookup rule (Continuation.lookup); ValueError if it is inconsistent."""
+    return LookupRule(
+        ngram_min=rule.ngram_min,
+        ngram_max=rule.ngram_max,
+        max_draft=rule.max_draft,
+        min_draft=rule.min_draft,
+        end_position=rule.end_position,
+        bucket_rates=tuple(rule.bucket_rates),
+        round_costs=tuple(rule.round_costs),
+        plain_cost=rule.plain_cost,
+    )
 
 
 def dist_to_pb(dist: SparseDist) -> pb.SparseDistribution:

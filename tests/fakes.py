@@ -19,7 +19,7 @@ import numpy as np
 
 from services.draft.drafters import NgramDrafter
 from services.gateway.streams import upstream_error
-from tandem.ngram import LookupRule
+from tandem.convert import lookup_rule_from_pb
 from tandem.sampling import SamplingParams
 from tandem.sessions import Session
 from tandem.v1 import tandem_pb2 as pb
@@ -105,7 +105,7 @@ class FakeTarget:
         rounds: list[pb.LookupRound] = []
         first, match_len = drafts, 0
         if not drafts and rule is not None:  # the caller's rule drafts before every step, the first included
-            first, match_len = s.lookup_draft(_rule(rule), 1 << 20)
+            first, match_len = s.lookup_draft(lookup_rule_from_pb(rule), 1 << 20)
         accepted = self._round(first, tokens)
         steps, forward = 1, STEP_NS + TOKEN_NS * (len(first) + 1)
         if (drafts and cont.plain_steps > 1) or (first and not drafts):  # a continued round, or a lookup round
@@ -121,7 +121,7 @@ class FakeTarget:
             lookup_drafts: list[int] = []
             match_len = 0
             if rule is not None:
-                lookup_drafts, match_len = s.lookup_draft(_rule(rule), 1 << 20)
+                lookup_drafts, match_len = s.lookup_draft(lookup_rule_from_pb(rule), 1 << 20)
             offset = len(tokens)
             n = self._round(lookup_drafts, tokens)
             step_ns = STEP_NS + TOKEN_NS * (len(lookup_drafts) + 1)
@@ -160,19 +160,6 @@ class FakeTarget:
 
 def _tok(token_id: int) -> pb.Token:
     return pb.Token(id=token_id, piece=str(token_id).encode(), is_eog=token_id == EOG)
-
-
-def _rule(msg: pb.LookupRule) -> LookupRule:
-    return LookupRule(
-        ngram_min=msg.ngram_min,
-        ngram_max=msg.ngram_max,
-        max_draft=msg.max_draft,
-        min_draft=msg.min_draft,
-        end_position=msg.end_position,
-        bucket_rates=tuple(msg.bucket_rates),
-        round_costs=tuple(msg.round_costs),
-        plain_cost=msg.plain_cost,
-    )
 
 
 @dataclass

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from services.gateway.chat import prepare_chat
 from services.gateway.errors import OpenAIError, anthropic_error_body, as_openai_error, from_validation
 from services.gateway.protocol import ChatCompletionRequest
-from services.gateway.serving import Delta, new_id
+from services.gateway.serving import new_id, with_first
 from services.gateway.streaming import DisconnectAwareStreamingResponse
 from services.gateway.tools import CallFilter, ToolCall, parse_calls
 
@@ -241,13 +241,7 @@ async def messages(body: MessagesRequest, request: Request):
         index, text_open = 0, False
         finish, calls, tokens, raw = "stop", [], [], ""
         try:
-
-            async def all_deltas() -> AsyncIterator[Delta]:
-                yield first
-                async for delta in deltas:
-                    yield delta
-
-            async for delta in all_deltas():
+            async for delta in with_first(first, deltas):
                 raw += delta.text
                 tokens.extend(delta.tokens)
                 text = held.feed(delta.text) if held is not None else delta.text

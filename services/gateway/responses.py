@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from services.gateway.chat import prepare_chat
 from services.gateway.errors import OpenAIError, as_openai_error, from_validation
 from services.gateway.protocol import ChatCompletionRequest
-from services.gateway.serving import Delta, new_id
+from services.gateway.serving import new_id, with_first
 from services.gateway.streaming import DisconnectAwareStreamingResponse
 from services.gateway.tools import CallFilter, ToolCall, parse_calls
 
@@ -284,13 +284,7 @@ async def responses(body: ResponsesRequest, request: Request):
         output: list[dict] = []
         message_id, text, opened, finish, calls = new_id("msg"), "", False, "stop", []
         try:
-
-            async def all_deltas() -> AsyncIterator[Delta]:
-                yield first
-                async for delta in deltas:
-                    yield delta
-
-            async for delta in all_deltas():
+            async for delta in with_first(first, deltas):
                 shown = held.feed(delta.text) if held is not None else delta.text
                 if delta.finish_reason is not None:
                     finish = delta.finish_reason

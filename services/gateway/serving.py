@@ -217,6 +217,13 @@ def now() -> int:
     return int(time.time())
 
 
+async def with_first(first: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """The deltas of a stream whose first one was read before the response started (for its HTTP status)."""
+    yield first
+    async for delta in rest:
+        yield delta
+
+
 def _payloads(chunk: dict | list[dict] | None) -> list[dict]:
     return chunk if isinstance(chunk, list) else [chunk] if chunk is not None else []
 

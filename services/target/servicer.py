@@ -23,7 +23,14 @@ from services.target.verifier import (
     VerifyResult,
     VerifySpec,
 )
-from tandem.convert import constraint_from_pb, dist_from_pb, info_pb, sampling_from_pb, serving_stats
+from tandem.convert import (
+    constraint_from_pb,
+    dist_from_pb,
+    info_pb,
+    lookup_rule_from_pb,
+    sampling_from_pb,
+    serving_stats,
+)
 from tandem.errors import InvalidArgument, TandemError
 from tandem.grpc_server import ServiceLoading, stream_replies
 from tandem.ngram import LookupRule
@@ -117,18 +124,8 @@ def _lookup_rule(item: pb.VerifyItem) -> LookupRule | None:
         return None
     if item.draft_token_ids or item.continuation.stop_at_repeat:
         raise InvalidArgument("lookup needs an item without draft tokens and without stop_at_repeat")
-    rule = item.continuation.lookup
     try:
-        return LookupRule(
-            ngram_min=rule.ngram_min,
-            ngram_max=rule.ngram_max,
-            max_draft=rule.max_draft,
-            min_draft=rule.min_draft,
-            end_position=rule.end_position,
-            bucket_rates=tuple(rule.bucket_rates),
-            round_costs=tuple(rule.round_costs),
-            plain_cost=rule.plain_cost,
-        )
+        return lookup_rule_from_pb(item.continuation.lookup)
     except ValueError as exc:
         raise InvalidArgument(f"lookup: {exc}") from exc
 
