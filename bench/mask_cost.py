@@ -1,8 +1,10 @@
 """`python -m bench.mask_cost MODEL.gguf [...]`: the cost of one grammar mask per verified token, per vocabulary.
 
-Follows a JSON answer token by token under its schema (tandem.grammar, llguidance) and times, at each position, the
-mask (compute + unpack) and applying it to one logits row: what a constrained Verify adds per position it verifies.
-Prints one JSON line per model. See docs/decisions/0013.
+Follows an answer token by token under its grammar (tandem.grammar, llguidance) and times, at each position, the mask
+(compute + unpack) and applying it to one logits row: what a constrained Verify adds per position it verifies. Two
+cases: a JSON answer under its schema (`response_format`), and a sentence then a tool call under the `tool_choice:
+"auto"` grammar (free text until `<tool_call`, then the call's schema). Prints one JSON line per model and case. See
+docs/decisions/0013.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 import llama_cpp  # noqa: F401  (first: numpy before llama_cpp can break model loading on some images)
 import numpy as np
 
+from services.gateway.tools import Tool, call_grammar
 from tandem.config import EngineSettings
 from tandem.engine import Engine
 from tandem.grammar import Constraint, GrammarState, tokenizer_for
@@ -28,15 +31,35 @@ SCHEMA = {
     "required": ["name", "age", "tags"],
 }
 ANSWER = {"name": "Ada Lovelace", "age": 36, "tags": ["math", "engines", "poetry", "notes"]}
+WEATHER = Tool(
+    "get_weather",
+    "Current weather in a city",
+    {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+)
+AUTO_ANSWER = (
+    "Sure, I can help with that. The weather changes quickly in the mountains, so let me look it up for you.\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+)
+CASES = {
+    "json_schema": (lambda: Constraint("json_schema", json.dumps(SCHEMA)), json.dumps(ANSWER)),
+    "tools_auto": (lambda: call_grammar("generic", [WEATHER], parallel=True, forced=False), AUTO_ANSWER),
+}
 
 
-def measure(path: str, passes: int = 5) -> dict:
+def measure(path: str, passes: int = 5) -> list[dict]:
     engine = Engine(EngineSettings(model=path, n_threads=1, max_sessions=1, n_ctx=512))
     t0 = time.perf_counter()
     tokenizer = tokenizer_for(engine)
     build_s = time.perf_counter() - t0
-    ids = engine.tokenize(json.dumps(ANSWER), add_special=False, parse_special=False)
-    grammar = Constraint("json_schema", json.dumps(SCHEMA)).grammar()
+    rows = [{**measure_case(engine, tokenizer, case, passes), "tokenizer_build_s": round(build_s, 2)} for case in CASES]
+    engine.close()
+    return rows
+
+
+def measure_case(engine: Engine, tokenizer: object, case: str, passes: int) -> dict:
+    make_constraint, answer = CASES[case]
+    ids = engine.tokenize(answer, add_special=False, parse_special=False)
+    grammar = make_constraint().grammar()
     row = np.random.default_rng(0).standard_normal(engine.n_vocab).astype(np.float32)
     mask_s, apply_s = [], []
     for _ in range(passes):
@@ -53,11 +76,10 @@ def measure(path: str, passes: int = 5) -> dict:
             if not allowed[token]:
                 raise SystemExit(f"the grammar forbids token {token} of the answer")
             state.take(token)
-    engine.close()
     return {
         "model": engine.name,
+        "case": case,
         "n_vocab": engine.n_vocab,
-        "tokenizer_build_s": round(build_s, 2),
         "tokens": len(ids) * passes,
         "mask_us_median": round(float(np.median(mask_s)) * 1e6, 1),
         "mask_us_p90": round(float(np.percentile(mask_s, 90)) * 1e6, 1),
@@ -67,7 +89,8 @@ def measure(path: str, passes: int = 5) -> dict:
 
 def main() -> None:
     for path in sys.argv[1:]:
-        print(json.dumps(measure(path)), flush=True)
+        for row in measure(path):
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

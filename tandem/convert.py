@@ -48,11 +48,11 @@ def constraint_from_pb(msg: pb.OpenItem) -> Constraint | None:
     kind = msg.constraint.WhichOneof("grammar")
     if kind is None:
         raise InvalidArgument("constraint needs one of json_schema, lark or regex")
-    return Constraint(kind, getattr(msg.constraint, kind))
+    return Constraint(kind, getattr(msg.constraint, kind), tuple(sorted(msg.constraint.lark_grammars.items())))
 
 
 def constraint_to_pb(constraint: Constraint) -> pb.Constraint:
-    return pb.Constraint(**{constraint.kind: constraint.source})
+    return pb.Constraint(**{constraint.kind: constraint.source}, lark_grammars=dict(constraint.named))
 
 
 def lookup_rule_from_pb(rule: pb.LookupRule) -> LookupRule:

@@ -29,16 +29,23 @@ ConstraintKind = Literal["json_schema", "lark", "regex"]
 
 @dataclass(frozen=True)
 class Constraint:
-    """What the output must match: a JSON Schema (JSON text), a Lark grammar (llguidance's dialect) or a regex."""
+    """What the output must match: a JSON Schema (JSON text), a Lark grammar (llguidance's dialect) or a regex.
+
+    `named`: (name, Lark grammar) pairs a Lark grammar references as `@name` (a custom tool's input format)."""
 
     kind: ConstraintKind
     source: str
+    named: tuple[tuple[str, str], ...] = ()
 
     def grammar(self) -> str:
         """llguidance's grammar for this constraint; InvalidArgument naming the problem if it does not compile."""
         try:
             if self.kind == "json_schema":
                 grammar = LLMatcher.grammar_from_json_schema(json.loads(self.source))
+            elif self.kind == "lark" and self.named:
+                grammars = [{"lark_grammar": self.source}]
+                grammars += [{"name": name, "lark_grammar": source} for name, source in self.named]
+                grammar = json.dumps({"grammars": grammars})
             elif self.kind == "lark":
                 grammar = LLMatcher.grammar_from_lark(self.source)
             elif self.kind == "regex":

@@ -212,7 +212,7 @@ def test_text_completions(client: openai.OpenAI) -> None:
         ({"messages": [{"role": "user", "content": "hi"}], "temperature": 5}, 400, "temperature"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
-        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools[0].function"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools[0]"),
         ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404, "model"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
         ({"messages": "hello"}, 400, "messages"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from openai import BadRequestError, OpenAI
@@ -21,6 +22,14 @@ SHELL = {
     },
 }
 PATCH = {"type": "custom", "name": "apply_patch", "description": "Apply a patch to files"}
+# Codex's shape: a custom tool whose input is a Lark grammar (a small one: the tiny model rambles inside a patch
+# language until max_output_tokens; tests/test_tools.py holds that one against the vocabulary).
+MODE = {
+    "type": "custom",
+    "name": "set_mode",
+    "description": "Set the speed mode",
+    "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "mode=" ("fast" | "slow") " level=" /[1-3]/'},
+}
 # What Codex sends beside the request proper; accepted and ignored.
 CODEX_FIELDS = {
     "store": False,
@@ -78,17 +87,19 @@ def test_a_forced_function_call_then_its_output(client: OpenAI) -> None:
     assert follow.output_text
 
 
-def test_a_custom_tool_call_comes_back_as_one(client: OpenAI) -> None:
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_custom_tool_call_comes_back_as_one_in_its_grammar(client: OpenAI, temperature: float) -> None:
     reply = client.responses.create(
         model="tandem",
-        input="Create a file hello.txt that says hi.",
-        tools=[PATCH],
-        tool_choice={"type": "custom", "name": "apply_patch"},
-        max_output_tokens=80,
-        temperature=0,
+        input="Make it go faster.",
+        tools=[PATCH, MODE],
+        tool_choice={"type": "custom", "name": "set_mode"},
+        max_output_tokens=60,
+        temperature=temperature,
     )
-    call = next(item for item in reply.output if item.type == "custom_tool_call")
-    assert call.name == "apply_patch" and isinstance(call.input, str)
+    calls = [item for item in reply.output if item.type == "custom_tool_call"]
+    assert calls, reply.output
+    assert calls[0].name == "set_mode" and re.fullmatch(r"mode=(fast|slow) level=[1-3]", calls[0].input)
 
 
 def test_the_stream_assembles_in_the_sdk(client: OpenAI) -> None:

@@ -269,6 +269,29 @@ def test_a_forced_tool_call_is_well_formed_and_the_same_with_speculation(
             assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
 
 
+def _without_ids(message: dict) -> list[dict]:
+    return [{k: v for k, v in call.items() if k != "id"} for call in message.get("tool_calls") or []]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_with_tool_choice_auto_a_started_call_is_well_formed_and_the_same_with_speculation(
+    gateways: tuple[Service, Service], drafter: str
+) -> None:
+    """auto: the grammar engages at the model's `<tool_call`, so whatever the model chose (text or a call) a call
+    parses, and the masked output with speculation is target-only's."""
+    gateway = gateways[0] if drafter == "ngram" else gateways[1]
+    prompts = [ASK, [{"role": "user", "content": "Say hello, then call get_time."}]]
+    for messages in prompts:
+        spec = _call(gateway, 8, tool_choice="auto", messages=messages, max_tokens=120)
+        plain = _call(gateway, 0, tool_choice="auto", messages=messages, max_tokens=120)
+        choice, reference = spec["choices"][0], plain["choices"][0]
+        assert choice["message"]["content"] == reference["message"]["content"]
+        assert _without_ids(choice["message"]) == _without_ids(reference["message"])
+        text = choice["message"]["content"] or ""
+        # Either no call was started, or it parsed: a started call is never left as broken text.
+        assert "<tool_call" not in text or choice["finish_reason"] == "length"
+
+
 def test_a_named_tool_call_streams_in_openais_delta_shape(gateways: tuple[Service, Service]) -> None:
     gateway, _ = gateways
     client = OpenAI(base_url=f"{gateway.address}/v1", api_key="unused")

@@ -17,11 +17,11 @@ from services.gateway.tools import (
     Tool,
     ToolCall,
     ToolFormatName,
+    call_grammar,
     choose_format,
-    forced_call_grammar,
-    generic_system_message,
     parse_calls,
     render_call,
+    tools_system_message,
 )
 from tandem.v1 import tandem_pb2 as pb
 
@@ -55,15 +55,17 @@ def _messages(body: ChatCompletionRequest, fmt: ToolFormatName | None, tools: li
     for i, m in enumerate(body.messages):
         text = m.text(i)
         if m.role == "assistant" and m.tool_calls:
-            calls = [ToolCall(c.function.name, c.function.arguments, c.id) for c in m.tool_calls]
-            if native:
+            calls = [c.as_call() for c in m.tool_calls]
+            functions = [c for c in calls if not c.custom]
+            if native and functions:
+                custom = render_call("hermes", [c for c in calls if c.custom])
                 out.append(
                     {
                         "role": "assistant",
-                        "content": text,
+                        "content": text + ("\n" + custom if custom else ""),
                         "tool_calls": [
                             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _args(c)}}
-                            for c in calls
+                            for c in functions
                         ],
                     }
                 )
@@ -78,8 +80,8 @@ def _messages(body: ChatCompletionRequest, fmt: ToolFormatName | None, tools: li
                 out.append({"role": "tool", "content": f"<tool_response>\n{text}\n</tool_response>"})
         else:
             out.append({"role": m.role, "content": text})
-    if tools and fmt == "generic":
-        system = generic_system_message(tools)
+    system = tools_system_message(fmt, tools) if tools and fmt is not None else None
+    if system:
         if out and out[0]["role"] in ("system", "developer"):
             out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + system}
         else:
@@ -117,7 +119,7 @@ async def prepare_chat(body: ChatCompletionRequest, request: Request, start: boo
     tools = body.tool_list()
     fmt: ToolFormatName | None = choose_format(template.source) if tools else None
     messages = _messages(body, fmt, tools)
-    native_tools = [t.as_openai() for t in tools] if fmt not in (None, "generic") else None
+    native_tools = [t.as_openai() for t in tools if not t.custom] if fmt not in (None, "generic") else None
     prompt = template.render(messages, tools=native_tools)
     bos = serving.up.target_info.bos_text
     add_bos = not (bos and prompt.startswith(bos))
@@ -127,7 +129,11 @@ async def prepare_chat(body: ChatCompletionRequest, request: Request, start: boo
     generation = None
     if start:
         forced = body.forced_tools(tools) if tools else None
-        constraint = forced_call_grammar(fmt, forced, body.parallel_tool_calls) if forced and fmt else None
+        constraint = None
+        if forced and fmt:
+            constraint = call_grammar(fmt, forced, body.parallel_tool_calls, forced=True)
+        elif tools and fmt and body.response_format is None:  # auto: a call that starts must be well-formed
+            constraint = call_grammar(fmt, tools, body.parallel_tool_calls, forced=False)
         max_tokens = body.requested_max_tokens()
         gen_req = serving.generation_request(body, prompt_ids, max_tokens, top, constraint, "tool_choice")
         generation = serving.start(gen_req)
@@ -208,10 +214,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         if content or (top >= 0 and delta.tokens) or (finish is not None and not calls):
             out.append(payload(content, None if calls else finish, delta.tokens))
         for index, call in enumerate(calls):  # OpenAI's shape: id, type and name first, then the arguments
-            head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            kind, field = ("custom", "input") if call.custom else ("function", "arguments")
+            head = {"index": index, "id": call.id, "type": kind, kind: {"name": call.name, field: ""}}
             out.append(payload({"tool_calls": [head]}, None, []))
-            args = {"index": index, "function": {"arguments": call.arguments}}
-            out.append(payload({"tool_calls": [args]}, None, []))
+            out.append(payload({"tool_calls": [{"index": index, kind: {field: call.arguments}}]}, None, []))
         if calls:
             out.append(payload({}, "tool_calls", []))
         if finish is not None:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.gateway.errors import OpenAIError
-from services.gateway.tools import Tool
+from services.gateway.tools import Tool, ToolCall
 from tandem.grammar import Constraint
 from tandem.sampling import SamplingParams
 
@@ -92,11 +92,29 @@ class FunctionCall(BaseModel):
     arguments: str = "{}"  # JSON text, as OpenAI sends it
 
 
+class CustomCall(BaseModel):
+    name: str
+    input: str = ""
+
+
 class MessageToolCall(BaseModel):
     model_config = ConfigDict(extra="allow")
     id: str = ""
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    type: Literal["function", "custom"] = "function"
+    function: FunctionCall | None = None
+    custom: CustomCall | None = None
+
+    @model_validator(mode="after")
+    def _has_body(self) -> MessageToolCall:
+        if (self.function if self.type == "function" else self.custom) is None:
+            raise ValueError(f"a tool call of type {self.type!r} needs its {self.type!r} field")
+        return self
+
+    def as_call(self) -> ToolCall:
+        if self.custom is not None and self.type == "custom":
+            return ToolCall(self.custom.name, self.custom.input, self.id, custom=True)
+        assert self.function is not None
+        return ToolCall(self.function.name, self.function.arguments, self.id)
 
 
 class FunctionDef(BaseModel):
@@ -106,9 +124,58 @@ class FunctionDef(BaseModel):
     strict: bool | None = None
 
 
+class CustomFormat(BaseModel):
+    """A custom tool's input format: free text, or a grammar (chat completions' shape, `{"type": "grammar",
+    "grammar": {"syntax", "definition"}}`; the Responses API's flat `syntax`/`definition` is accepted too)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "grammar"] = "text"
+    grammar: dict[str, str] | None = None
+    syntax: Literal["lark", "regex"] | None = None
+    definition: str | None = None
+
+    def lark(self) -> str | None:
+        """The format as a Lark grammar (a regex becomes one terminal), None for free text."""
+        if self.type == "text":
+            return None
+        spec = self.grammar or {"syntax": self.syntax or "lark", "definition": self.definition or ""}
+        syntax, definition = spec.get("syntax", "lark"), spec.get("definition")
+        if not definition:
+            raise OpenAIError(400, "a grammar format needs its definition", "tools")
+        if syntax == "regex":
+            return "start: /" + definition.replace("/", "\\/") + "/\n"
+        if syntax != "lark":
+            raise OpenAIError(400, f"grammar syntax {syntax!r} is not supported (lark or regex)", "tools")
+        return definition
+
+
+class CustomDef(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str = ""
+    format: CustomFormat | None = None
+
+
 class ToolDef(BaseModel):
-    type: Literal["function"]
-    function: FunctionDef
+    type: Literal["function", "custom"]
+    function: FunctionDef | None = None
+    custom: CustomDef | None = None
+
+    @model_validator(mode="after")
+    def _has_body(self) -> ToolDef:
+        if (self.function if self.type == "function" else self.custom) is None:
+            raise ValueError(f"a tool of type {self.type!r} needs its {self.type!r} field")
+        return self
+
+    def as_tool(self) -> Tool:
+        if self.type == "custom" and self.custom is not None:
+            fmt = self.custom.format
+            return Tool(self.custom.name, self.custom.description, {}, True, fmt.lark() if fmt else None)
+        assert self.function is not None
+        return Tool(self.function.name, self.function.description, self.function.parameters or {})
+
+
+class NamedCustom(BaseModel):
+    name: str
 
 
 class NamedFunction(BaseModel):
@@ -116,8 +183,16 @@ class NamedFunction(BaseModel):
 
 
 class NamedToolChoice(BaseModel):
-    type: Literal["function"]
-    function: NamedFunction
+    type: Literal["function", "custom"]
+    function: NamedFunction | None = None
+    custom: NamedCustom | None = None
+
+    @property
+    def name(self) -> str:
+        named = self.function if self.type == "function" else self.custom
+        if named is None:
+            raise OpenAIError(400, f"tool_choice of type {self.type!r} needs its {self.type!r} field", "tool_choice")
+        return named.name
 
 
 class ChatMessage(BaseModel):
@@ -239,7 +314,7 @@ class ChatCompletionRequest(SamplingFields):
             if self.tool_choice not in (None, "none", "auto"):
                 raise OpenAIError(400, "tool_choice needs tools", "tool_choice")
             return []
-        tools = [Tool(t.function.name, t.function.description, t.function.parameters or {}) for t in self.tools]
+        tools = [t.as_tool() for t in self.tools]
         if len({t.name for t in tools}) != len(tools):
             raise OpenAIError(400, "tool names must be unique", "tools")
         return tools
@@ -249,11 +324,10 @@ class ChatCompletionRequest(SamplingFields):
         if self.tool_choice == "required":
             return tools
         if isinstance(self.tool_choice, NamedToolChoice):
-            named = [t for t in tools if t.name == self.tool_choice.function.name]
+            named = [t for t in tools if t.name == self.tool_choice.name]
             if not named:
-                raise OpenAIError(
-                    400, f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools", "tool_choice"
-                )
+                message = f"tool_choice names {self.tool_choice.name!r}, which is not in tools"
+                raise OpenAIError(400, message, "tool_choice")
             return named
         return None
 

@@ -3,9 +3,10 @@
 A request is translated into the chat pipeline's terms (services.gateway.chat.prepare_chat): `instructions` becomes the
 system message, `input` (a string or items: messages, `function_call`, `function_call_output`, and their custom-tool
 twins) the conversation, function tools and `tool_choice` OpenAI's chat ones, `text.format` a `response_format`.
-A custom tool (Codex's `apply_patch`) is offered as a function with one string argument, `input`, and comes back as a
-`custom_tool_call`. Fields Codex always sends and this server has no use for (`store`, `include`, `reasoning`,
-`service_tier`, `prompt_cache_key`, ...) are accepted and ignored; `previous_response_id` is a 400 (nothing is stored).
+A custom tool (Codex's `apply_patch`) stays a custom tool (free-form input, its Lark or regex format enforced by
+grammar once the model starts the call; services.gateway.tools) and comes back as a `custom_tool_call`. Fields Codex
+always sends and this server has no use for (`store`, `include`, `reasoning`, `service_tier`, `prompt_cache_key`, ...)
+are accepted and ignored; `previous_response_id` is a 400 (nothing is stored).
 """
 
 from __future__ import annotations
@@ -27,12 +28,6 @@ from services.gateway.streaming import DisconnectAwareStreamingResponse
 from services.gateway.tools import CallFilter, ToolCall, parse_calls
 
 router = APIRouter()
-CUSTOM_INPUT = {
-    "type": "object",
-    "properties": {"input": {"type": "string"}},
-    "required": ["input"],
-    "additionalProperties": False,
-}
 
 
 class ResponsesRequest(BaseModel):
@@ -50,9 +45,6 @@ class ResponsesRequest(BaseModel):
     text: dict[str, Any] | None = None
     stream: bool = False
     previous_response_id: str | None = None
-
-    def custom_tools(self) -> set[str]:
-        return {t["name"] for t in self.tools or [] if t.get("type") == "custom" and t.get("name")}
 
     def to_chat(self) -> ChatCompletionRequest:
         try:
@@ -95,23 +87,18 @@ class ResponsesRequest(BaseModel):
                     }
                 )
             elif kind == "custom":
-                tools.append(
-                    {
-                        "type": "function",
-                        "function": {
-                            "name": tool["name"],
-                            "description": tool.get("description", ""),
-                            "parameters": CUSTOM_INPUT,
-                        },
-                    }
-                )
+                custom = {"name": tool["name"], "description": tool.get("description", "")}
+                if tool.get("format"):
+                    custom["format"] = tool["format"]
+                tools.append({"type": "custom", "custom": custom})
             # Hosted tools (web_search, local_shell, ...) are the client's or OpenAI's: not offered to this model.
         if tools:
             body["tools"] = tools
             body["parallel_tool_calls"] = self.parallel_tool_calls
             choice = self.tool_choice
             if isinstance(choice, dict) and choice.get("name"):
-                body["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+                kind = "custom" if choice.get("type") == "custom" else "function"
+                body["tool_choice"] = {"type": kind, kind: {"name": choice["name"]}}
             elif choice in ("auto", "none", "required"):
                 body["tool_choice"] = choice
         fmt = (self.text or {}).get("format") or {}
@@ -149,14 +136,11 @@ def _add_item(messages: list[dict], item: dict, index: int) -> None:
             {"role": "system" if role == "developer" else role, "content": _text_of(item.get("content"), where)}
         )
     elif kind in ("function_call", "custom_tool_call"):
-        arguments = (
-            item.get("arguments", "{}") if kind == "function_call" else json.dumps({"input": item.get("input", "")})
-        )
-        call = {
-            "id": item.get("call_id", ""),
-            "type": "function",
-            "function": {"name": item.get("name", ""), "arguments": arguments},
-        }
+        call: dict[str, Any] = {"id": item.get("call_id", "")}
+        if kind == "function_call":
+            call |= {"type": "function", "function": {"name": item["name"], "arguments": item.get("arguments", "{}")}}
+        else:
+            call |= {"type": "custom", "custom": {"name": item["name"], "input": item.get("input", "")}}
         if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
             messages[-1]["tool_calls"].append(call)
         else:
@@ -171,13 +155,10 @@ def _add_item(messages: list[dict], item: dict, index: int) -> None:
         raise OpenAIError(400, f"{where}: items of type {kind!r} are not supported", where)
 
 
-def _call_item(call: ToolCall, custom: set[str]) -> dict:
+def _call_item(call: ToolCall) -> dict:
     call_id = call.id
-    if call.name in custom:
-        try:
-            text = json.loads(call.arguments).get("input", "")
-        except (ValueError, AttributeError):
-            text = ""
+    if call.custom:
+        text = call.arguments
         return {
             "type": "custom_tool_call",
             "id": new_id("ctc"),
@@ -243,7 +224,6 @@ async def responses(body: ResponsesRequest, request: Request):
     serving, generation = prepared.serving, prepared.generation
     response_id, created = new_id("resp"), int(time.time())
     model = body.model or serving.model_name
-    custom = body.custom_tools()
 
     def usage() -> dict:
         n_in, n_out = generation.stats.prompt_n, generation.stats.predicted_n
@@ -260,9 +240,7 @@ async def responses(body: ResponsesRequest, request: Request):
         text, calls = out.text, []
         if prepared.tools and prepared.fmt is not None:
             text, calls = parse_calls(prepared.fmt, out.text, prepared.tools)
-        output = ([_message_item(new_id("msg"), text)] if text or not calls else []) + [
-            _call_item(c, custom) for c in calls
-        ]
+        output = ([_message_item(new_id("msg"), text)] if text or not calls else []) + [_call_item(c) for c in calls]
         status = "incomplete" if out.finish_reason == "length" and not calls else "completed"
         return JSONResponse(_response(body, response_id, created, model, status, output, usage()))
 
@@ -324,7 +302,7 @@ async def responses(body: ResponsesRequest, request: Request):
                 yield event("response.output_item.done", output_index=0, item=done)
                 output.append(done)
             for call in calls:
-                item = _call_item(call, custom)
+                item = _call_item(call)
                 index = len(output)
                 yield event(
                     "response.output_item.added",
