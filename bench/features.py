@@ -240,19 +240,21 @@ def long_history(seed: int, words: int = 700) -> str:
     return f"Notes #{seed}: " + " ".join(out)
 
 
-async def prefix(stacks: Stacks, threads: str, reps: int) -> list[dict]:
-    """TTFT of the second turn of a chat after a ~1,000-token first turn, prefix cache on and off."""
+async def prefix(stacks: Stacks, threads: str, reps: int, words: int = 700, target_args: list[str] = ()) -> list[dict]:
+    """TTFT of the second turn of a chat after a long first turn (700 words: ~1,000 tokens on SmolLM2; `--prefix-words
+    3000` for ~4k), prefix cache on and off, and turn 2's TTFT as a share of turn 1's."""
     urls = {}
     for name, extra in (("on", []), ("off", ["--no-prefix-cache"])):
         log(f"starting the prefix-{name} stack ...")
-        target = stacks.service("services.target", ["--n-threads", threads, *extra])
+        target = stacks.service("services.target", ["--n-threads", threads, *extra, *target_args])
         draft = stacks.service("services.draft", ["--drafter", "ngram"])
         urls[name] = stacks.gateway(target, draft)
     ttft: dict[str, list[float]] = {}
     async with httpx.AsyncClient() as client:
         for rep in range(reps):
             for name, url in urls.items():
-                history = [{"role": "user", "content": long_history(rep * 10 + (name == "off")) + "\nSummarise."}]
+                notes = long_history(rep * 10 + (name == "off"), words)
+                history = [{"role": "user", "content": notes + "\nSummarise."}]
                 first = await chat(client, url, history, 24)
                 ttft.setdefault(f"turn 1 (cold), cache {name}", []).append(first["timings"]["prompt_ms"])
                 turn2 = [*history, {"role": "assistant", "content": text_of(first)},
@@ -264,9 +266,11 @@ async def prefix(stacks: Stacks, threads: str, reps: int) -> list[dict]:
                     f"{first['timings']['prompt_ms']:.0f} -> {second['timings']['prompt_ms']:.0f} ms")  # fmt: skip
     stacks.stop()
     cold = statistics.median(ttft["turn 2, cache off"])
+    turn1 = statistics.median(ttft["turn 1 (cold), cache on"])
     return [
         {"section": "prefix", "setting": key, "ttft_ms": round(statistics.median(v), 1),
-         "vs_turn2_cold": round(statistics.median(v) / cold, 3), "prompt_tokens": prompt_n}
+         "vs_turn2_cold": round(statistics.median(v) / cold, 3), "vs_turn1": round(statistics.median(v) / turn1, 3),
+         "prompt_tokens": prompt_n}
         for key, v in ttft.items()
     ]  # fmt: skip
 
@@ -471,8 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", default="2", help="target threads (batching, prefix, ttft sections)")
     parser.add_argument("--raw-prompts", action="store_true", help="plain completions (models without a template)")
     parser.add_argument(
-        "--target-args", default="", help="batching and pipeline sections: extra target flags (model, GPU layers)"
+        "--target-args", default="", help="batching, prefix and pipeline sections: extra target flags (model, GPU)"
     )
+    parser.add_argument("--prefix-words", type=int, default=700, help="prefix section: words of the first turn")
     parser.add_argument("--workloads", default="", help="pipeline section: comma-separated workload names")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=2)
@@ -494,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
         if "load" in sections:
             rows += asyncio.run(load_adaptation(stacks, args.threads, args.max_tokens, args.reps))
         if "prefix" in sections:
-            rows += asyncio.run(prefix(stacks, args.threads, args.reps + 1))
+            target_args = shlex.split(args.target_args)
+            rows += asyncio.run(prefix(stacks, args.threads, args.reps + 1, args.prefix_words, target_args))
         if "ttft" in sections:
             rows += asyncio.run(ttft_speculation(stacks, args.reps + 1))
         if "overlap" in sections:

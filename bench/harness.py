@@ -439,6 +439,7 @@ def summarise(configs: list[Config], loads: list[Workload], records: list[Record
             predicted_n = sum(r.timings.get("predicted_n", 0) or 0 for r in recs)
             draft_ms = sum(r.timings.get("draft_compute_ms", 0) or 0 for r in recs)
             verify_ms = sum(r.timings.get("verify_compute_ms", 0) or 0 for r in recs)
+            mask_ms = sum(r.timings.get("verify_mask_ms", 0) or 0 for r in recs)
             # Target steps (a target-only call can run several), or calls where a reply predates the field.
             verify_steps = sum(r.timings.get("verify_steps", r.timings.get("verify_calls", 0)) or 0 for r in recs)
             pos_acc: list[int] = []
@@ -457,7 +458,7 @@ def summarise(configs: list[Config], loads: list[Workload], records: list[Record
                     pos_acc[i] += a
                     pos_n[i] += n
             tandem = config.family == "tandem"
-            compute_ms = draft_ms + verify_ms
+            compute_ms = draft_ms + verify_ms + mask_ms
             same = None
             if workload.temperature == 0 and config.baseline != config.name:
                 pairs = [(r, base.get((r.prompt, r.rep))) for r in recs]
@@ -477,6 +478,8 @@ def summarise(configs: list[Config], loads: list[Workload], records: list[Record
                     "same_text": same,
                     "draft_pct": 100 * draft_ms / predicted_ms if tandem and predicted_ms else None,
                     "verify_pct": 100 * verify_ms / predicted_ms if tandem and predicted_ms else None,
+                    "mask_pct": 100 * mask_ms / predicted_ms if tandem and predicted_ms else None,
+                    "mask_us_per_step": 1000 * mask_ms / verify_steps if tandem and verify_steps and mask_ms else None,
                     "overhead_pct": 100 * (predicted_ms - compute_ms) / predicted_ms
                     if tandem and predicted_ms
                     else None,

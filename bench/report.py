@@ -43,11 +43,13 @@ DETAIL_COLUMNS = [
     ("same text", "same_text", 2),
     ("draft %", "draft_pct", 1),
     ("verify %", "verify_pct", 1),
+    ("mask %", "mask_pct", 1),
     ("overhead %", "overhead_pct", 1),
     ("ideal tok/s", "ideal_tok_s", 1),
     ("efficiency", "efficiency", 2),
     ("draft ms/tok", "draft_ms_per_token", 2),
     ("verify ms/step", "verify_ms_per_step", 2),
+    ("mask us/step", "mask_us_per_step", 0),
 ]
 
 
@@ -137,12 +139,17 @@ def plots(out: Path, rows: list[dict]) -> list[Path]:
 
     tandem = [c for c in dict.fromkeys(r["config"] for r in rows if r["family"] == "tandem")]
     fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(tandem)), 4.5))
-    parts = [("draft_pct", "draft compute"), ("verify_pct", "verify compute"), ("overhead_pct", "overhead")]
+    parts = [
+        ("draft_pct", "draft compute"),
+        ("verify_pct", "verify compute"),
+        ("mask_pct", "grammar masks"),
+        ("overhead_pct", "overhead"),
+    ]
     bottoms = [0.0] * len(tandem)
     for key, label in parts:
         vals = []
         for c in tandem:
-            xs = [r[key] for r in rows if r["config"] == c and r[key] is not None]
+            xs = [r[key] for r in rows if r["config"] == c and r.get(key) is not None]
             vals.append(sum(xs) / len(xs) if xs else 0)
         ax.bar(range(len(tandem)), vals, bottom=bottoms, label=label)
         bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]

@@ -12,6 +12,7 @@ The matcher follows the emitted tokens and rolls back with the KV cache.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -74,6 +75,7 @@ class GrammarState:
     def __init__(self, tokenizer: LLTokenizer, grammar: str, n_vocab: int) -> None:
         self.matcher = LLMatcher(tokenizer, grammar, log_level=0)
         self.n_vocab = n_vocab
+        self.busy_ns = 0  # time in masks and matcher updates, for the call's Timing.mask_ns
         self._check()
 
     def _check(self) -> None:
@@ -92,6 +94,7 @@ class GrammarState:
         The drafts are consumed tentatively up to the first one the grammar forbids (its row and the ones after it are
         masked as well as known: that draft is rejected, so no later row is read). Returns the rows and how many drafts
         were consumed, for `settle`."""
+        t0 = time.perf_counter_ns()
         masked = np.empty(rows.shape, dtype=np.float32)
         consumed = 0
         for i in range(len(rows)):
@@ -104,13 +107,16 @@ class GrammarState:
                 masked[i + 1 :] = masked[i]  # never read: the draft at i is rejected
                 break
             consumed += 1
+        self.busy_ns += time.perf_counter_ns() - t0
         return masked, consumed
 
     def settle(self, consumed: int, accepted: int, own: int) -> None:
         """After a verification: keep the accepted drafts, then take the target's own token."""
+        t0 = time.perf_counter_ns()
         if consumed > accepted:
             self.matcher.rollback(consumed - accepted)
         self.take(own)
+        self.busy_ns += time.perf_counter_ns() - t0
 
     def take(self, token: int) -> None:
         """An emitted token, drawn from a masked row (so the grammar allows it)."""

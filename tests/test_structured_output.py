@@ -17,6 +17,9 @@ import httpx
 import pytest
 from openai import BadRequestError, OpenAI
 
+from tandem.config import EngineSettings
+from tandem.engine import Engine
+from tandem.models import default_model_path
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tests.conftest import Service, start_gateway, start_model_service
@@ -196,6 +199,53 @@ def test_the_target_masks_verified_drafts_and_rolls_the_grammar_back(
         text = "".join(t.piece.decode() for t in [first.first_token, *again.tokens])
         assert text.isdigit()
         stub.Close(pb.CloseRequest(session_ids=[sid, "free"]))
+
+
+def test_a_model_draft_masks_its_proposals_and_follows_the_committed_tokens(
+    exact_services: tuple[Service, Service, Service],
+) -> None:
+    """The draft masks like the target: under a regex every proposed token is a digit where the unconstrained draft
+    proposes a word; sampled, the distributions it sends put all their mass on digits; after the target commits
+    tokens (and after a rewind), the draft's matcher follows the committed sequence."""
+    target, draft, _ = exact_services
+    with grpc.insecure_channel(target.address) as tchan, grpc.insecure_channel(draft.address) as dchan:
+        tstub, dstub = pb_grpc.TargetStub(tchan), pb_grpc.DraftStub(dchan)
+        assert dstub.Info(pb.InfoRequest()).capabilities.constraints
+        prompt = list(tstub.Tokenize(pb.TokenizeRequest(text="Count: one two three", add_special=True)).token_ids)
+        engine = Engine(EngineSettings(model=str(default_model_path()), n_ctx=64, max_sessions=1, n_threads=1))
+        pieces = {t: engine.pieces[t].decode("utf-8", "replace") for t in range(engine.n_vocab)}
+        engine.close()
+
+        def propose(sid: str, position: int, append: list[int], n: int = 5) -> pb.Proposal:
+            item = pb.ProposeItem(session_id=sid, position=position, append_token_ids=append, max_tokens=n)
+            return dstub.Propose(pb.ProposeRequest(items=[item])).proposals[0]
+
+        for sid, temperature, constraint in [
+            ("digits", 0.0, pb.Constraint(regex="[0-9]{12}")),
+            ("digits-sampled", 1.0, pb.Constraint(regex="[0-9]{12}")),
+            ("words", 0.0, None),
+        ]:
+            item = pb.OpenItem(
+                session_id=sid, prompt_token_ids=prompt, sampling=pb.SamplingParams(temperature=temperature, seed=3)
+            )
+            if constraint is not None:
+                item.constraint.CopyFrom(constraint)
+            dstub.Open(pb.OpenRequest(items=[item]))
+        free = propose("words", len(prompt), [])
+        assert not "".join(pieces[t] for t in free.token_ids).strip().isdigit()  # unmasked: words
+
+        first = propose("digits", len(prompt), [])
+        assert first.token_ids and "".join(pieces[t] for t in first.token_ids).isdigit()
+        sampled = propose("digits-sampled", len(prompt), [])
+        for dist in sampled.distributions:
+            assert all(pieces[t].isdigit() or p == 0 for t, p in zip(dist.token_ids, dist.probs, strict=True))
+        # The target commits the first two proposed tokens and a digit of its own; the draft catches up and goes on.
+        digit = next(t for t in first.token_ids if pieces[t].isdigit())
+        committed = [*first.token_ids[:2], digit]
+        after = propose("digits", len(prompt), committed)
+        text = "".join(pieces[t] for t in [*committed, *after.token_ids])
+        assert text.isdigit() and len(text) <= 12
+        dstub.Close(pb.CloseRequest(session_ids=["digits", "digits-sampled", "words"]))
 
 
 def test_a_constraint_the_target_cannot_compile_is_invalid_argument(

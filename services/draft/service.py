@@ -12,11 +12,16 @@ from typing import Any
 
 from services.draft.drafters import Draft, Drafter, ModelDrafter
 from tandem.errors import InvalidArgument, SessionNotFound
+from tandem.grammar import Constraint
 from tandem.sampling import SamplingParams
 from tandem.scheduler import plan_step, step_results
 from tandem.sessions import Session, SessionStore, make_rng
 
 DRAFT_RNG_SALT = 1  # the draft's random stream must differ from the target's for the same seed
+
+
+# (session id, prompt, sampling, constraint or None); the constraint may be left out
+OpenSpec = tuple[str, Sequence[int], SamplingParams] | tuple[str, Sequence[int], SamplingParams, Constraint | None]
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,7 @@ class DraftService:
             if not 0 <= t < self.n_vocab:
                 raise InvalidArgument(f"token id {t} is outside the vocabulary (0..{self.n_vocab - 1})")
 
-    def open(self, items: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> list[tuple[str, int]]:
+    def open(self, items: Sequence[OpenSpec]) -> list[tuple[str, int]]:
         steps = self.open_steps(items)
         while True:
             try:
@@ -68,12 +73,11 @@ class DraftService:
             except StopIteration as stop:
                 return stop.value
 
-    def open_steps(
-        self, items: Sequence[tuple[str, Sequence[int], SamplingParams]]
-    ) -> Generator[None, None, list[tuple[str, int]]]:
+    def open_steps(self, items: Sequence[OpenSpec]) -> Generator[None, None, list[tuple[str, int]]]:
+        items = [(*item, None) if len(item) == 3 else item for item in items]
         fresh = []
         answered: dict[str, int] = {}
-        for sid, prompt, _ in items:
+        for sid, prompt, _, _ in items:
             self._check_tokens(prompt)
             if self.n_ctx is not None and len(prompt) >= self.n_ctx:
                 raise InvalidArgument(f"prompt of {len(prompt)} tokens does not fit the context size {self.n_ctx}")
@@ -81,9 +85,12 @@ class DraftService:
             if existing is not None and existing.prompt == tuple(prompt) and existing.last_call is None:
                 answered[sid] = existing.position  # retried Open before any Propose
         try:
-            for sid, prompt, params in items:
+            for sid, prompt, params, constraint in items:
                 if sid not in answered:
-                    fresh.append(self.store.create(sid, prompt, params, make_rng(params.seed, DRAFT_RNG_SALT), -1))
+                    session = self.store.create(sid, prompt, params, make_rng(params.seed, DRAFT_RNG_SALT), -1)
+                    if constraint is not None:
+                        self.drafter.constrain(session, constraint)
+                    fresh.append(session)
             for _ in self.drafter.open_steps(fresh):
                 yield
                 if any(s.closed for s in fresh):
@@ -93,7 +100,7 @@ class DraftService:
                 self.store.close(s.session_id)
             self.reclaim()
             raise
-        return [(sid, self.store.get(sid).position) for sid, _, _ in items]
+        return [(sid, self.store.get(sid).position) for sid, _, _, _ in items]
 
     def propose_groups(self, groups: Sequence[Sequence[ProposeSpec]]) -> list[Any]:
         """Proposals for many calls in one engine step; each call is validated whole and fails alone."""

@@ -9,7 +9,7 @@ import grpc
 
 from services.draft.service import DraftService, ProposeSpec
 from tandem import __version__
-from tandem.convert import dist_to_pb, info_pb, sampling_from_pb, serving_stats
+from tandem.convert import constraint_from_pb, dist_to_pb, info_pb, sampling_from_pb, serving_stats
 from tandem.engine import Engine
 from tandem.grpc_server import ServiceLoading, stream_replies
 from tandem.scheduler import StepScheduler
@@ -84,12 +84,16 @@ class DraftServicer(pb_grpc.DraftServicer):
                 drafter=service.drafter.name,
             )
         msg.capabilities.proposes_after_repeat = service.drafter.proposes_after_repeat
+        msg.capabilities.constraints = service.drafter.knows_grammars
         return serving_stats(msg, service.store, self.scheduler)
 
     async def Open(self, request: pb.OpenRequest, context: grpc.aio.ServicerContext) -> pb.OpenResponse:
         service = self._ready()
         t0, f0 = time.perf_counter_ns(), self._forward_ns()
-        items = [(i.session_id, list(i.prompt_token_ids), sampling_from_pb(i.sampling)) for i in request.items]
+        items = [
+            (i.session_id, list(i.prompt_token_ids), sampling_from_pb(i.sampling), constraint_from_pb(i))
+            for i in request.items
+        ]
         opened = await self.scheduler.job(lambda: service.open_steps(items))
         return pb.OpenResponse(
             results=[pb.OpenResult(session_id=sid, position=pos) for sid, pos in opened],

@@ -243,6 +243,7 @@ class TargetServicer(pb_grpc.TargetServicer):
         steps = [max(item.continuation.plain_steps, 1) for item in request.items]
         lookups = [_lookup_rule(item) for item in request.items]
         before = {self._chains[spec.session_id] for spec in specs if spec.session_id in self._chains}
+        masks0 = v.grammar_ns([spec.session_id for spec in specs])
         if max(steps, default=1) > 1 or any(lookups):
             run = _PlainRun(specs, steps, lookups, [item.continuation.stop_at_repeat for item in request.items])
             results = await self._in_order(before, specs, lambda: self._plain_chains(run))
@@ -257,6 +258,7 @@ class TargetServicer(pb_grpc.TargetServicer):
             results = await self._in_order(before, specs, lambda: self.scheduler.batched("verify", specs))
             timing = self._timing(t0, f0, results[0].step if results else None)
             timing.steps = 1
+        timing.mask_ns = max(v.grammar_ns([spec.session_id for spec in specs]) - masks0, 0)
         return pb.VerifyResponse(
             results=[
                 pb.VerifyResult(

@@ -406,6 +406,15 @@ class Verifier:
         tokens = tuple(self._emit(session, t, rows[i] if i < len(rows) else None) for i, t in enumerate(emitted))
         return VerifyResult(session.session_id, n, tokens, session.position, step)
 
+    def grammar_ns(self, session_ids: Sequence[str]) -> int:
+        """Time these sessions' grammars have taken so far (0 for unconstrained or closed sessions)."""
+        total = 0
+        for sid in session_ids:
+            session = self.store.find(sid)
+            if session is not None and session.grammar is not None:
+                total += session.grammar.busy_ns
+        return total
+
     def rollback(self, items: Sequence[tuple[str, int]]) -> None:
         """Shorten sessions to `position` tokens; the last kept token becomes pending again."""
         before = {sid: self.store.get(sid).position for sid, _ in items}

@@ -186,6 +186,7 @@ class Context:
             self.stats.verify_ns += time.perf_counter_ns() - v0
             self.stats.verify_service_ns += reply.timing.total_ns
         self.stats.verify_forward_ns += reply.timing.forward_ns
+        self.stats.verify_mask_ns += reply.timing.mask_ns
         self.stats.verify_calls += 1
         self.stats.verify_steps += max(reply.timing.steps, 1)
         return reply.results[0], reply.timing

@@ -160,6 +160,9 @@ class Generation:
             draft_item = pb.OpenItem(
                 session_id=ctx.session_id, prompt_token_ids=self.req.prompt_token_ids, sampling=sampling
             )
+            draft_info = ctx.up.draft_info
+            if item.HasField("constraint") and draft_info is not None and draft_info.capabilities.constraints:
+                draft_item.constraint.CopyFrom(item.constraint)  # a model draft masks its proposals the same way
             ctx.draft_opening = asyncio.ensure_future(
                 ctx.up.draft.Open(pb.OpenRequest(items=[draft_item]), timeout=timeout, metadata=metadata)
             )

@@ -108,6 +108,7 @@ class GenerationStats:
     verify_ns: int = 0  # wall time of Verify calls seen by the gateway
     draft_forward_ns: int = 0  # time inside the draft model's forward passes
     verify_forward_ns: int = 0  # time inside the target's forward passes
+    verify_mask_ns: int = 0  # time the target spent on the grammar (constrained output), beside its forward passes
     draft_service_ns: int = 0  # wall time of Propose calls inside the draft service (the rest of draft_ns is gRPC)
     verify_service_ns: int = 0  # wall time of Verify calls inside the target service
     speculation: str = "off"  # off | on | degraded (draft failed mid-request) | stopped (drafting cannot pay here)
@@ -172,6 +173,7 @@ class GenerationStats:
             "target_rounds": self.target_rounds,
             "draft_compute_ms": round(self.draft_forward_ns / 1e6, 3),
             "verify_compute_ms": round(self.verify_forward_ns / 1e6, 3),
+            "verify_mask_ms": round(self.verify_mask_ns / 1e6, 3),
             "draft_rpc_ms": round(self.draft_ns / 1e6, 3),
             "verify_rpc_ms": round(self.verify_ns / 1e6, 3),
             "draft_service_ms": round(self.draft_service_ns / 1e6, 3),
