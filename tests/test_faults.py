@@ -260,3 +260,45 @@ def test_orphaned_sessions_expire(service_tmp: Path) -> None:
             assert stub.Info(pb.InfoRequest()).load.kv_tokens == 0
     finally:
         target.stop()
+
+
+def test_requests_beyond_the_targets_slots_wait_their_turn_and_none_fails(
+    service_tmp: Path, ngram_draft: Service
+) -> None:
+    """Admission follows the target's session slots (each holds a whole request: its prompt and its answer's room):
+    with 2 slots, 5 concurrent requests run 2 at a time, the rest wait in the queue, and every one completes with
+    the same text as alone; a slot's cached prefix is given up to a new prompt rather than refusing it."""
+    target = start_model_service(
+        "services.target", ["--n-threads", THREADS, "--max-sessions", "2", "--n-ctx", "4096"], service_tmp
+    )
+    gateway = start_gateway(target.address, ngram_draft.address, service_tmp)
+    try:
+        url = f"{gateway.address}/v1/chat/completions"
+        bodies = [
+            {
+                "messages": [{"role": "user", "content": f"Count from {i} to {i + 40}."}],
+                "max_tokens": 48,
+                "temperature": 0,
+            }
+            for i in range(5)
+        ]
+        alone = [httpx.post(url, json=b, timeout=300).json()["choices"][0]["message"]["content"] for b in bodies[:2]]
+        seen: list[dict] = []
+        results: dict[int, httpx.Response] = {}
+        threads = [
+            threading.Thread(target=lambda i=i: results.update({i: httpx.post(url, json=bodies[i], timeout=300)}))
+            for i in range(5)
+        ]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            seen.append(httpx.get(f"{gateway.address}/health").json()["requests"])
+            time.sleep(0.05)
+        assert all(results[i].status_code == 200 for i in range(5)), [results[i].text for i in range(5)]
+        assert max(s["running"] for s in seen) <= 2
+        assert max(s["queued"] for s in seen) >= 1  # some waited rather than failing
+        texts = [results[i].json()["choices"][0]["message"]["content"] for i in range(5)]
+        assert texts[:2] == alone
+    finally:
+        gateway.stop()
+        target.stop()
