@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tandem import PROTOCOL_VERSION
 from tandem.errors import InvalidArgument
 from tandem.grammar import Constraint
 from tandem.ngram import LookupRule
@@ -122,6 +123,7 @@ def info_pb(engine: Engine, drafter: str = "", active_sessions: int = 0, kv_toke
         bos_text=engine.bos_text,
         eos_text=engine.eos_text,
         load=pb.Load(active_sessions=active_sessions, kv_tokens=kv_tokens),
+        protocol_version=PROTOCOL_VERSION,
     )
     if engine.bos_id is not None:
         msg.bos_token_id = engine.bos_id

@@ -11,6 +11,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from services.gateway.upstream import IncompatibleService, check_compatible
+from tandem import PROTOCOL_VERSION
 from tandem.ngram import LookupRule, NgramIndex
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -53,6 +55,27 @@ def test_draft_model_has_same_fingerprint(target_channel: grpc.Channel, draft_ch
     assert d.drafter == "model"
     assert d.vocab_fingerprint == t.vocab_fingerprint
     assert d.capabilities.proposes_after_repeat == 0  # a model proposes anywhere
+    assert d.capabilities.constraints  # it masks its proposals with a request's grammar
+
+
+def test_every_service_states_its_protocol_and_a_skewed_one_is_refused_by_name(
+    target_channel: grpc.Channel, draft_channel: grpc.Channel, ngram_draft: Service
+) -> None:
+    t = pb_grpc.TargetStub(target_channel).Info(pb.InfoRequest())
+    d = pb_grpc.DraftStub(draft_channel).Info(pb.InfoRequest())
+    with grpc.insecure_channel(ngram_draft.address) as channel:
+        n = pb_grpc.DraftStub(channel).Info(pb.InfoRequest())
+    assert t.protocol_version == d.protocol_version == n.protocol_version == PROTOCOL_VERSION
+    check_compatible(t, d)
+    old = pb.InfoResponse()
+    old.CopyFrom(d)
+    old.protocol_version = PROTOCOL_VERSION - 1
+    old.version = "tandem 0.0.9"
+    with pytest.raises(IncompatibleService) as refused:
+        check_compatible(t, old)
+    message = str(refused.value)
+    assert f"protocol {PROTOCOL_VERSION - 1}" in message and f"protocol {PROTOCOL_VERSION}" in message
+    assert "draft" in message and "tandem 0.0.9" in message
 
 
 def test_ngram_draft_declares_the_repeat_it_needs_and_proposes_only_behind_one(

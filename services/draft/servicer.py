@@ -8,7 +8,7 @@ import time
 import grpc
 
 from services.draft.service import DraftService, ProposeSpec
-from tandem import __version__
+from tandem import PROTOCOL_VERSION, __version__
 from tandem.convert import constraint_from_pb, dist_to_pb, info_pb, sampling_from_pb, serving_stats
 from tandem.engine import Engine
 from tandem.grpc_server import ServiceLoading, stream_replies
@@ -82,6 +82,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                 version=f"tandem {__version__}",
                 max_sessions=service.store.max_sessions,
                 drafter=service.drafter.name,
+                protocol_version=PROTOCOL_VERSION,
             )
         msg.capabilities.proposes_after_repeat = service.drafter.proposes_after_repeat
         msg.capabilities.constraints = service.drafter.knows_grammars

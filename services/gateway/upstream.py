@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gateway.streams import StreamMux
+from tandem import PROTOCOL_VERSION, __version__
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -23,6 +24,10 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A restarted service is found again within seconds (gRPC's default backoff grows to 120 s between tries).
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
 ]
 
 
@@ -67,8 +72,25 @@ class IncompatibleDraft(RuntimeError):
     """The draft's vocabulary differs from the target's: its token ids would mean other text."""
 
 
+class IncompatibleService(RuntimeError):
+    """A service speaks another revision of the wire contract than this gateway."""
+
+
+def check_protocol(info: pb.InfoResponse, role: str) -> None:
+    """Refuse a service built from another revision of the contract (e.g. a draft on another node left at an older
+    release), naming both revisions, rather than misread its answers."""
+    if info.protocol_version != PROTOCOL_VERSION:
+        raise IncompatibleService(
+            f"the {role} service speaks tandem protocol {info.protocol_version} ({info.version or 'unknown version'}),"
+            f" this gateway protocol {PROTOCOL_VERSION} (tandem {__version__}): run the same tandem release on every"
+            " node"
+        )
+
+
 def check_compatible(target: pb.InfoResponse, draft: pb.InfoResponse) -> None:
     """Refuse a draft whose token ids mean something else than the target's (model-free drafters always fit)."""
+    check_protocol(target, "target")
+    check_protocol(draft, "draft")
     if draft.drafter == "ngram":
         return
     if draft.vocab_fingerprint != target.vocab_fingerprint:
@@ -150,6 +172,7 @@ async def connect(
         await asyncio.gather(*waits)
         target = pb_grpc.TargetStub(target_channel)
         target_info = await target.Info(pb.InfoRequest(), timeout=10)
+        check_protocol(target_info, "target")
         draft = draft_info = None
         if draft_channel is not None:
             draft = pb_grpc.DraftStub(draft_channel)
