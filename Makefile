@@ -52,7 +52,7 @@ load: install
 	$(PY) -m bench.load_stack
 
 # One turn of each real coding CLI (Codex, Claude Code, OpenCode; pinned, from npm into .clients/) against a stack on
-# this machine, with a table of what each used and whether the turn completed (CLIENTS_ARGS="--model gemma3-270m").
+# this machine (Gemma 3 270M, 32k context; CLIENTS_ARGS="--model smollm2-135m" for the default model), with a table.
 clients: install
 	$(PY) tools/clients.py $(CLIENTS_ARGS)
 

