@@ -33,7 +33,7 @@ $(PROTO_OUT): $(PROTO_SRC) $(VENV)/.installed
 	@touch tandem/v1/__init__.py
 
 run: install
-	$(PY) -m tandem.stack --port $(PORT) --drafter $(DRAFT) $(if $(COLOCATE),--colocate) \
+	$(PY) -m tandem.stack --port $(PORT) --drafter $(DRAFT) $(if $(COLOCATE),--colocate $(if $(filter target,$(COLOCATE)),target,all)) \
 	  $(if $(MODEL),--model $(MODEL)) $(if $(DRAFT_MODEL),--draft-model $(DRAFT_MODEL))
 
 test: install

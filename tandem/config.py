@@ -288,6 +288,11 @@ class GatewaySettings(BaseSettings):
         description="run the target and draft in the gateway's process, without gRPC"
         " (settings: TANDEM_TARGET_*/TANDEM_DRAFT_*)",
     )
+    colocate_target: bool = Field(
+        False,
+        description="run the target in the gateway's process and keep the draft a gRPC service at --draft"
+        " (the mixed-vendor layout; target settings: TANDEM_TARGET_*)",
+    )
     model_name: str | None = Field(None, description="model id served on /v1/models (default: the target's name)")
     # see docs/decisions/0001-default-draft-lengths.md
     n_max: int | None = Field(

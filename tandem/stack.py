@@ -1,10 +1,14 @@
 """`make run`: the whole stack on this machine — target, draft and gateway as three processes on 127.0.0.1.
 
 (`--drafter local-ngram` drafts inside the gateway instead: two processes. `--colocate` loads both models into the
-gateway's process: one process, no gRPC between the models and the gateway.)
+gateway's process: one process, no gRPC between the models and the gateway. `--colocate target` loads the target into
+the gateway and keeps the draft a service: two processes, one gRPC call a round.)
 
 Each service is its own process (as it would be its own container), started with the settings below; the gateway
-waits for both to report SERVING. Ctrl-C stops all three, by PID.
+waits for both to report SERVING. A service that dies is restarted with backoff (1, 2, 4 ... 30 s) while the rest
+keeps serving: without the draft, requests go on target-only and speculation resumes when it is back; without the
+target, requests get 503 with Retry-After until it is. `--no-restart` stops the whole stack instead. Ctrl-C stops
+all, by PID.
 """
 
 from __future__ import annotations
@@ -15,11 +19,40 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+
+RESTART_BACKOFF_S = (1, 2, 4, 8, 16, 30)  # waits before restarting a service that died, by failures in a row
+STABLE_S = 60.0  # a service that ran this long before it died starts its backoff over
 
 
-def _spawn(name: str, module: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
-    print(f"tandem: starting {name}: python -m {module} {' '.join(args)}", flush=True)
-    return subprocess.Popen([sys.executable, "-m", module, *args], env=env)
+@dataclass
+class Child:
+    """One service process of the stack, restarted with backoff when it dies (as a container runtime would)."""
+
+    name: str
+    module: str
+    args: list[str]
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    failures: int = 0
+    restart_at: float | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], env=env)
+        self.started, self.restart_at = time.monotonic(), None
+        print(f"tandem: started {self.name} (pid {self.proc.pid}): python -m {self.module} {' '.join(self.args)}",
+              flush=True)  # fmt: skip
+
+    def exited(self, now: float) -> int | None:
+        """The exit code if the process has just died (and schedules its restart), else None."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        code, pid, ran = self.proc.returncode, self.proc.pid, now - self.started
+        self.failures = 0 if ran >= STABLE_S else self.failures + 1
+        delay = RESTART_BACKOFF_S[min(self.failures, len(RESTART_BACKOFF_S) - 1)]
+        self.proc, self.restart_at = None, now + delay
+        print(f"tandem: {self.name} (pid {pid}) exited with {code} after {ran:.0f} s", flush=True)
+        return code
 
 
 def _as_env(prefix: str, flags: list[str]) -> dict[str, str]:
@@ -46,8 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="CPU threads per model service (0 = all cores)")
     parser.add_argument(
         "--colocate",
-        action="store_true",
-        help="one process: the gateway loads the target and the draft itself and calls them without gRPC",
+        nargs="?",
+        const="all",
+        choices=["all", "target"],
+        default=None,
+        help="all: one process, the gateway loads the target and the draft itself and calls them without gRPC;"
+        " target: the gateway loads the target, the draft stays a service (the mixed-vendor layout)",
+    )
+    parser.add_argument(
+        "--no-restart", action="store_true", help="stop the whole stack when a service dies instead of restarting it"
     )
     args = parser.parse_args(argv)
 
@@ -65,15 +105,21 @@ def main(argv: list[str] | None = None) -> int:
     ]  # fmt: skip
     if local:
         gateway_args.append("--local-ngram")
-    if args.colocate:
+    if args.colocate == "all":
         # The models' settings travel as their TANDEM_TARGET_* / TANDEM_DRAFT_* variables (see GatewaySettings).
         env |= _as_env("TANDEM_TARGET_", target_args) | _as_env("TANDEM_DRAFT_", draft_args)
-        procs = [_spawn("gateway with co-located models", "services.gateway", [*gateway_args, "--colocate"], env)]
+        children = [Child("gateway with co-located models", "services.gateway", [*gateway_args, "--colocate"])]
+    elif args.colocate == "target":
+        env |= _as_env("TANDEM_TARGET_", target_args)
+        children = [] if local else [Child("draft", "services.draft", draft_args)]
+        children.append(Child("gateway with the target", "services.gateway", [*gateway_args, "--colocate-target"]))
     else:
-        procs = [_spawn("target", "services.target", target_args, env)]
+        children = [Child("target", "services.target", target_args)]
         if not local:
-            procs.append(_spawn("draft", "services.draft", draft_args, env))
-        procs.append(_spawn("gateway", "services.gateway", gateway_args, env))
+            children.append(Child("draft", "services.draft", draft_args))
+        children.append(Child("gateway", "services.gateway", gateway_args))
+    for child in children:
+        child.start(env)
     print(f"tandem: OpenAI API at http://{args.host}:{args.port}/v1 once /health says ok; Ctrl-C stops", flush=True)
 
     stopping = False
@@ -87,13 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         while not stopping:
-            for proc in procs:
-                if proc.poll() is not None:
-                    print(f"tandem: pid {proc.pid} exited with {proc.returncode}; stopping the stack", flush=True)
-                    code = proc.returncode or 1
-                    stopping = True
+            now = time.monotonic()
+            for child in children:
+                exit_code = child.exited(now)
+                if exit_code is not None and args.no_restart:
+                    print("tandem: stopping the stack (--no-restart)", flush=True)
+                    code, stopping = exit_code or 1, True
+                elif exit_code is not None:
+                    print(f"tandem: restarting {child.name} in {child.restart_at - now:.0f} s", flush=True)
+                if not stopping and child.proc is None and child.restart_at is not None and now >= child.restart_at:
+                    child.start(env)
             time.sleep(0.2)
     finally:
+        procs = [c.proc for c in children if c.proc is not None]
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

@@ -21,7 +21,7 @@ import pytest
 from services.gateway.colocated import Deadlines, invoke
 from tandem.config import DraftSettings, TargetSettings, pin_colocated
 from tandem.errors import InvalidArgument, SessionNotFound
-from tandem.launch import start_colocated_gateway
+from tandem.launch import start_colocated_gateway, start_gateway, start_model_service
 from tests.conftest import THREADS, Service
 
 PROMPTS = [
@@ -315,3 +315,37 @@ def test_local_call_cancelled_by_its_caller_stays_cancelled() -> None:
         assert asyncio.current_task().cancelling() == 0
 
     asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def target_here(service_tmp: Path) -> Iterator[tuple[Service, Service]]:
+    """`--colocate-target`: the target in the gateway's process, a same-model draft as its own gRPC service (the
+    mixed-vendor box's layout). Same numerics settings as `colocated`, so target-only text is comparable."""
+    common = {"n_threads": THREADS, "flash_attn": "on", "max_sessions": "8", "n_ctx": "8192", "prefix_cache": "false"}
+    flags = ["--drafter", "model", "--n-threads", THREADS, "--flash-attn", "on", "--max-sessions", "8"]
+    draft = start_model_service("services.draft", [*flags, "--n-ctx", "8192", "--no-prefix-cache"], service_tmp)
+    env = {f"TANDEM_TARGET_{k.upper()}": v for k, v in common.items()}
+    gateway = start_gateway("in-process", draft.address, service_tmp, "--colocate-target", env=env)
+    yield gateway, draft
+    gateway.stop()
+    draft.stop()
+
+
+def test_the_target_in_the_gateway_with_a_remote_draft_is_lossless(target_here: tuple[Service, Service]) -> None:
+    gateway, _ = target_here
+    health = httpx.get(f"{gateway.address}/health").json()
+    assert health["draft"]["drafter"] == "model" and health["draft"]["serving"]
+    for prompt in PROMPTS[:2]:
+        plain, spec = _chat(gateway, prompt, n_max=0), _chat(gateway, prompt, n_max=4)
+        assert spec["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+        t = spec["timings"]
+        assert t["draft_n"] > 0 and t["draft_n_accepted"] == t["draft_n"]
+        # The target is local (no transport on Verify), the draft remote (each Propose crosses gRPC).
+        assert t["verify_rpc_ms"] - t["verify_service_ms"] < 0.5 * t["verify_calls"]
+
+
+def test_the_target_in_the_gateway_survives_losing_its_draft(target_here: tuple[Service, Service]) -> None:
+    gateway, draft = target_here
+    draft.stop()
+    reply = _chat(gateway, PROMPTS[2], n_max=4)
+    assert reply["choices"][0]["message"]["content"] and reply["timings"]["speculation"] in ("degraded", "off")

@@ -10,10 +10,12 @@ def main(argv: list[str] | None = None, verifier_class: type | None = None) -> N
     """Run the gateway; `verifier_class` replaces a co-located target's Verifier (benchmarks only)."""
     settings = parse_settings(GatewaySettings, argv)
     colocated = None
-    if settings.colocate:
+    if settings.colocate and settings.colocate_target:
+        raise SystemExit("--colocate loads both models here; --colocate-target only the target: pick one")
+    if settings.colocate or settings.colocate_target:
         colocated = colocated_models(settings, verifier_class)
     elif verifier_class is not None:
-        raise SystemExit("verifier_class needs --colocate: the target runs in another process")
+        raise SystemExit("verifier_class needs --colocate or --colocate-target: the target runs in another process")
     import uvicorn
 
     from services.gateway.app import create_app
@@ -33,11 +35,12 @@ def colocated_models(settings: GatewaySettings, verifier_class: type | None):
     from tandem.config import DraftSettings, TargetSettings, prepare_process
 
     target = TargetSettings()
-    draft = None if settings.local_ngram or not settings.draft else DraftSettings()
+    remote = settings.colocate_target and not settings.local_ngram and bool(settings.draft)
+    draft = None if settings.local_ngram or not settings.draft or settings.colocate_target else DraftSettings()
     prepare_process(*(m for m in (target, draft) if m is not None), colocated=True)
     from services.gateway.app import Colocated
 
-    return Colocated(target, draft, verifier_class, overlap=settings.overlap_draft)
+    return Colocated(target, draft, verifier_class, overlap=settings.overlap_draft, remote_draft=remote)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ class Colocated:
     draft: DraftSettings | None
     verifier_class: type | None = None  # benchmarks only (bench.synthetic_target)
     overlap: bool = False  # the gateway drafts ahead (--overlap-draft)
+    remote_draft: bool = False  # --colocate-target: the draft stays a gRPC service at settings.draft
 
 
 KNOWN_ENDPOINTS = {
@@ -135,19 +136,22 @@ def create_app(settings: GatewaySettings | None = None, colocated: Colocated | N
 
         async def start() -> None:
             try:
+                security = ChannelSecurity(
+                    settings.upstream_tls_ca,
+                    settings.upstream_tls_cert,
+                    settings.upstream_tls_key,
+                    settings.upstream_token,
+                )
                 if colocated is not None:
-                    from services.gateway.colocated import start_colocated
+                    from services.gateway.colocated import RemoteDraft, start_colocated
 
+                    remote = None
+                    if colocated.remote_draft:
+                        remote = RemoteDraft(settings.draft, security, settings.startup_timeout_s)
                     upstreams = await start_colocated(
-                        colocated.target, colocated.draft, colocated.verifier_class, colocated.overlap
+                        colocated.target, colocated.draft, colocated.verifier_class, colocated.overlap, remote
                     )
                 else:
-                    security = ChannelSecurity(
-                        settings.upstream_tls_ca,
-                        settings.upstream_tls_cert,
-                        settings.upstream_tls_key,
-                        settings.upstream_token,
-                    )
                     draft = None if settings.local_ngram else settings.draft or None
                     upstreams = await connect(settings.target, draft, settings.startup_timeout_s, security)
             except Exception as exc:

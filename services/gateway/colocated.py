@@ -8,7 +8,9 @@ one forward pass, the same errors as gRPC status codes (an `AioRpcError`, as a r
 speculative loop in services.gateway.speculation runs unchanged. Only the transport is gone.
 
 Separate services stay the default: they are what lets a draft run on another machine, or on a GPU of another vendor
-(one process loads one llama.cpp build).
+(one process loads one llama.cpp build). Between the two, `--colocate-target` loads only the target here and keeps the
+draft a gRPC service (`--draft ADDRESS`): the mixed-vendor box's layout, one network call a round (Propose) instead of
+two, and a draft the target survives losing.
 """
 
 from __future__ import annotations
@@ -21,17 +23,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
-from services.gateway.streams import upstream_error
-from services.gateway.upstream import Upstreams, check_compatible
+from services.gateway.streams import StreamMux, upstream_error
+from services.gateway.upstream import ChannelSecurity, Upstreams, check_compatible, check_protocol, wait_serving
 from tandem.config import DraftSettings, TargetSettings
 from tandem.grpc_server import error_status
 from tandem.telemetry import context_from_metadata, tracer
 from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tandem.worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -197,8 +200,21 @@ class ColocatedUpstreams(Upstreams):
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.propose is not None:
+            await self.propose.close()
+        for channel in self.channels:  # a remote draft's
+            await channel.close()
         for worker in self.workers:
             await asyncio.to_thread(worker.shutdown)
+
+
+@dataclass(frozen=True)
+class RemoteDraft:
+    """A draft service the co-located target drafts with over gRPC (`--colocate-target`)."""
+
+    address: str
+    security: ChannelSecurity = field(default_factory=ChannelSecurity)
+    timeout_s: float = 600.0
 
 
 async def start_colocated(
@@ -206,8 +222,10 @@ async def start_colocated(
     draft_settings: DraftSettings | None,
     verifier_class: type | None = None,
     overlap: bool = False,
+    remote_draft: RemoteDraft | None = None,
 ) -> ColocatedUpstreams:
-    """Load the target (and the draft) into this process and return them as the gateway's upstreams.
+    """Load the target (and the draft, or connect to a remote one) into this process and return them as the gateway's
+    upstreams.
 
     With `overlap` (the gateway drafts ahead), a Verify that carries a bonus guess never runs inline on the event
     loop: the draft's step for the next round runs there meanwhile, and the target's step on its engine thread.
@@ -222,6 +240,9 @@ async def start_colocated(
     target.inline_guessed = not overlap
     workers = [target_worker]
     draft = None
+    channels: list[grpc.aio.Channel] = []
+    propose: Any = None
+    draft_health: Any = None
     try:
         print("tandem: loading the target model in this process", flush=True)
         await load_target()
@@ -232,12 +253,27 @@ async def start_colocated(
             await load_draft()
         target_stub = LocalStub(target, "tandem.v1.Target")
         target_info = await target_stub.Info(pb.InfoRequest())
+        check_protocol(target_info, "target")
         draft_stub = draft_info = None
         if draft is not None:
             draft_stub = LocalStub(draft, "tandem.v1.Draft")
             draft_info = await draft_stub.Info(pb.InfoRequest())
             check_compatible(target_info, draft_info)
+            propose, draft_health = LocalMux(draft.Propose, "/tandem.v1.Draft/Propose"), LocalHealth(draft)
+        elif remote_draft is not None:
+            channel = remote_draft.security.open(remote_draft.address)
+            channels.append(channel)
+            print(f"tandem: waiting for the draft service at {remote_draft.address}", flush=True)
+            await wait_serving(channel, "tandem.v1.Draft", remote_draft.timeout_s)
+            draft_stub = pb_grpc.DraftStub(channel)
+            draft_info = await draft_stub.Info(pb.InfoRequest(), timeout=10)
+            check_compatible(target_info, draft_info)
+            metadata = remote_draft.security.stream_metadata() or None
+            propose = StreamMux(lambda: draft_stub.ProposeStream(metadata=metadata), "draft")
+            draft_health = health_pb2_grpc.HealthStub(channel)
     except BaseException:
+        for channel in channels:
+            await channel.close()
         for worker in workers:
             worker.shutdown()
         raise
@@ -246,11 +282,11 @@ async def start_colocated(
         target_info,
         draft_stub,
         draft_info,
-        channels=[],
+        channels=channels,
         verify=LocalMux(target.Verify, "/tandem.v1.Target/Verify"),
-        propose=LocalMux(draft.Propose, "/tandem.v1.Draft/Propose") if draft is not None else None,
+        propose=propose,
         target_health=LocalHealth(target),
-        draft_health=LocalHealth(draft) if draft is not None else None,
+        draft_health=draft_health,
         workers=workers,
     )
     upstreams.tasks.append(asyncio.create_task(_expire_idle([s for s in (target, draft) if s is not None])))

@@ -54,6 +54,10 @@ class ChannelSecurity:
     key: Path | None = None
     token: str | None = None
 
+    def stream_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The shared token for streams, which the unary interceptor does not reach."""
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
     def open(self, address: str) -> grpc.aio.Channel:
         interceptors = [TokenMetadata(self.token)] if self.token else None
         if self.ca is None:
@@ -184,8 +188,7 @@ async def connect(
             target_info.device,
             f"{draft_info.drafter}:{draft_info.model_name} on {draft_info.device}" if draft_info else "none",
         )
-        token = (("authorization", f"Bearer {security.token}"),) if security.token else ()
-        return Upstreams(target, target_info, draft, draft_info, channels, stream_metadata=token)
+        return Upstreams(target, target_info, draft, draft_info, channels, stream_metadata=security.stream_metadata())
     except BaseException:
         for channel in channels:
             await channel.close()
