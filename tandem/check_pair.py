@@ -1,0 +1,67 @@
+"""`tandem-check-pair TARGET DRAFT` (or `make check-pair TARGET=... DRAFT=...`): can this draft serve this target?
+
+Reads both GGUFs without their weights (paths, short names or `hf://` references, fetched as the services would) and
+says whether their vocabularies are the same (the vocabulary fingerprint the gateway compares at start-up: token ids
+mean the same text, so the draft's tokens can be verified as they are), with each model's size and context. Exit
+status 0 for a pair tandem serves, 1 for one it refuses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tandem.engine import ModelSummary, quiet_llama_logs, read_summary
+from tandem.models import resolve_model
+
+
+def describe(role: str, m: ModelSummary) -> str:
+    size = f"{m.file_bytes / 2**30:.2f} GiB" if m.file_bytes >= 2**30 else f"{m.file_bytes / 2**20:.0f} MiB"
+    label = f", {m.size_label}" if m.size_label else ""
+    return (
+        f"{role}: {m.name} ({m.architecture}{label}, {size}, context {m.context_length or '?'}, vocab {m.n_vocab}, "
+        f"fingerprint {m.fingerprint[:12]})"
+    )
+
+
+def verdict(target: ModelSummary, draft: ModelSummary) -> tuple[bool, list[str]]:
+    """(serves, lines of explanation)."""
+    lines = []
+    same = target.fingerprint == draft.fingerprint
+    if same:
+        lines.append("same vocabulary: the draft's token ids mean the target's text; tandem serves this pair")
+    else:
+        lines.append(
+            "different vocabularies: the gateway refuses this pair (a draft from the same family, e.g. the 0.5-1B "
+            "model of the target's series, or the model-free --drafter ngram)"
+        )
+    ratio = target.file_bytes / max(draft.file_bytes, 1)
+    lines.append(f"size ratio {ratio:.1f}x: the draft's step must cost well under the target's for drafting to pay")
+    if ratio < 4:
+        lines.append("  (under 4x: on one device a draft this large rarely pays; on its own device it may)")
+    if draft.context_length and target.context_length and draft.context_length < target.context_length:
+        lines.append(
+            f"the draft's context ({draft.context_length}) is shorter than the target's ({target.context_length}):"
+            " prompts longer than it are served target-only"
+        )
+    return same, lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target", help="target GGUF: a path, smollm2-135m, gemma3-270m or hf://OWNER/REPO/FILE.gguf")
+    parser.add_argument("draft", help="draft GGUF, the same forms")
+    args = parser.parse_args(argv)
+    quiet_llama_logs()
+    target = read_summary(str(resolve_model(args.target)))
+    draft = read_summary(str(resolve_model(args.draft)))
+    print(describe("target", target))
+    print(describe("draft ", draft))
+    serves, lines = verdict(target, draft)
+    for line in lines:
+        print(line)
+    return 0 if serves else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
