@@ -581,7 +581,19 @@ def main(argv: list[str] | None = None) -> int:
         "--resummarise", type=Path, default=None, metavar="RESULTS_JSON",
         help="recompute the tables and plots of an earlier run from its records (written beside it), run nothing",
     )  # fmt: skip
+    parser.add_argument(
+        "--concurrency",
+        default=None,
+        help="e.g. 1,2,4,8,16: aggregate tok/s with speculation on and off by concurrent streams instead (the make run"
+        " stack; --workloads, --reps, --max-tokens, --model, --target-args apply; see bench/concurrency.py)",
+    )
+    parser.add_argument("--per-stream", type=int, default=2, help="--concurrency: requests each stream makes in turn")
     args = parser.parse_args(argv)
+    if args.concurrency:
+        from bench import concurrency
+
+        args.reps = args.reps or 2
+        return concurrency.main(args)
     if args.resummarise:
         return resummarise(args.resummarise)
 

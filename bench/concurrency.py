@@ -1,0 +1,147 @@
+"""`python -m bench --concurrency 1,2,4,8,16`: aggregate tok/s with speculation on and off, by concurrent streams.
+
+One stack as `make run` serves it (target, n-gram draft service, gateway with the default speculation), with the
+gateway's `--max-concurrent` and the target's session slots raised to the largest concurrency. For each workload and
+each concurrency c, c streams start together, each answering the workload's prompts in turn (shifted per stream),
+first with speculation off (`"speculative.n_max": 0`) then on (the defaults), alternating which goes first per
+repetition; aggregate tok/s = completion tokens / wall time of the c streams. The goal (issue 42): on / off >= 1 at
+every concurrency. Writes concurrency.json, concurrency.md and concurrency.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from bench.harness import Stack
+from bench.workloads import Workload, workloads
+from tandem.launch import start_gateway, start_model_service
+
+MODES = {"off": {"speculative.n_max": 0}, "on": {}}
+
+
+def _stream(url: str, workload: Workload, prompts: list[str], max_tokens: int, mode: dict) -> int:
+    """One stream: its prompts one after another; the completion tokens it received."""
+    tokens = 0
+    with httpx.Client(timeout=900) as client:
+        for prompt in prompts:
+            body = {
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens,
+                "temperature": workload.temperature,
+                **({"seed": workload.seed} if workload.seed is not None else {}),
+                **dict(workload.extra),
+                **mode,
+            }
+            reply = client.post(f"{url}/v1/chat/completions", json=body)
+            reply.raise_for_status()
+            tokens += reply.json()["usage"]["completion_tokens"]
+    return tokens
+
+
+def measure(url: str, workload: Workload, streams: int, per_stream: int, max_tokens: int, mode: dict) -> float:
+    prompts = list(workload.prompts)
+    plan = [[prompts[(s + i) % len(prompts)] for i in range(per_stream)] for s in range(streams)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=streams) as pool:
+        tokens = sum(pool.map(lambda p: _stream(url, workload, p, max_tokens, mode), plan))
+    return tokens / (time.perf_counter() - t0)
+
+
+def main(args: argparse.Namespace) -> int:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    loads = workloads(quick=False)
+    wanted = set(args.workloads.split(",")) if args.workloads else {"edit", "chat", "json"}
+    loads = [w for w in loads if w.name in wanted]
+    out = args.out or Path("bench/results") / ("concurrency-" + time.strftime("%Y%m%d-%H%M%S"))
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    top = max(levels)
+    stack = Stack()
+    rows = []
+    started = time.time()
+    try:
+        print(f"starting the stack (slots and --max-concurrent {top}) ...", file=sys.stderr, flush=True)
+        model = ["--model", args.model] if args.model else []
+        target = start_model_service(
+            "services.target",
+            [*model, "--max-sessions", str(top), "--n-ctx", str(top * 4096), *shlex.split(args.target_args)],
+            out / "logs",
+        )
+        stack.processes.append(target)
+        draft = start_model_service("services.draft", ["--drafter", "ngram", "--max-sessions", str(top)], out / "logs")
+        stack.processes.append(draft)
+        gateway = start_gateway(target.address, draft.address, out / "logs", "--max-concurrent", str(top))
+        stack.processes.append(gateway)
+        measure(gateway.address, loads[0], 1, 1, 8, {})  # warm-up
+        for workload in loads:
+            for c in levels:
+                samples: dict[str, list[float]] = {"off": [], "on": []}
+                for rep in range(args.reps):
+                    order = ("off", "on") if rep % 2 == 0 else ("on", "off")
+                    for name in order:
+                        tok_s = measure(gateway.address, workload, c, args.per_stream, args.max_tokens, MODES[name])
+                        samples[name].append(tok_s)
+                        print(f"{workload.name} c={c} {name}: {tok_s:.1f} tok/s", file=sys.stderr, flush=True)
+                off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
+                row = {"workload": workload.name, "concurrency": c, "off_tok_s": round(off, 1)}
+                rows.append({**row, "on_tok_s": round(on, 1), "ratio": round(on / off, 3)})
+    finally:
+        stack.stop()
+    meta = {
+        "command": "python -m bench " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "seconds": round(time.time() - started, 1),
+    }
+    write(out, meta, rows)
+    return 0
+
+
+def write(out: Path, meta: dict, rows: list[dict]) -> None:
+    (out / "concurrency.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    levels = sorted({r["concurrency"] for r in rows})
+    names = list(dict.fromkeys(r["workload"] for r in rows))
+    cell = {(r["workload"], r["concurrency"]): r for r in rows}
+    lines = [
+        "# Speculation under load: aggregate tok/s, on / off",
+        "",
+        f"{meta['date']} · `{meta['command']}` · {meta['seconds']} s",
+        "",
+        "| workload | " + " | ".join(f"{c} stream{'s' if c > 1 else ''}" for c in levels) + " |",
+        "|---|" + "---|" * len(levels),
+    ]
+    for name in names:
+        parts = []
+        for c in levels:
+            r = cell.get((name, c))
+            parts.append(f"{r['on_tok_s']} / {r['off_tok_s']} (**{r['ratio']:.2f}**)" if r else "-")
+        lines.append(f"| {name} | " + " | ".join(parts) + " |")
+    (out / "concurrency.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in names:
+        xs = [c for c in levels if (name, c) in cell]
+        ax.plot(xs, [cell[(name, c)]["ratio"] for c in xs], marker="o", label=name)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("aggregate tok/s, speculation on / off")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "concurrency.png", dpi=120)
+    plt.close(fig)
