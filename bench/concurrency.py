@@ -78,7 +78,8 @@ def main(args: argparse.Namespace) -> int:
         stack.processes.append(target)
         draft = start_model_service("services.draft", ["--drafter", "ngram", "--max-sessions", str(top)], out / "logs")
         stack.processes.append(draft)
-        gateway = start_gateway(target.address, draft.address, out / "logs", "--max-concurrent", str(top))
+        gateway_args = ["--max-concurrent", str(top), *shlex.split(args.gateway_args)]
+        gateway = start_gateway(target.address, draft.address, out / "logs", *gateway_args)
         stack.processes.append(gateway)
         measure(gateway.address, loads[0], 1, 1, 8, {})  # warm-up
         for workload in loads:

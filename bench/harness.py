@@ -588,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         " stack; --workloads, --reps, --max-tokens, --model, --target-args apply; see bench/concurrency.py)",
     )
     parser.add_argument("--per-stream", type=int, default=2, help="--concurrency: requests each stream makes in turn")
+    parser.add_argument("--gateway-args", default="", help="--concurrency: extra gateway flags")
     args = parser.parse_args(argv)
     if args.concurrency:
         from bench import concurrency

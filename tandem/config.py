@@ -340,6 +340,12 @@ class GatewaySettings(BaseSettings):
         description='accepted Bearer keys (TANDEM_GATEWAY_API_KEYS=\'["k1","k2"]\'); empty = no authentication',
     )
     max_concurrent: int = Field(8, ge=1, description="requests generating at once (more wait in the queue)")
+    draft_max_running: int = Field(
+        0,
+        ge=0,
+        description="a request that starts while more than this many generations run (itself included) decodes"
+        " target-only: speculation sheds load on a busy server (0: no limit)",
+    )
     max_queue: int = Field(64, ge=0, description="requests waiting for a slot; beyond this: 429 with Retry-After")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest request body accepted (413 above)")
     max_tokens_limit: int = Field(8192, ge=1, description="most tokens one answer may have (larger max_tokens: capped)")

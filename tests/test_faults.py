@@ -302,3 +302,29 @@ def test_requests_beyond_the_targets_slots_wait_their_turn_and_none_fails(
     finally:
         gateway.stop()
         target.stop()
+
+
+def test_a_request_that_starts_on_a_busy_server_sheds_speculation(
+    target: Service, ngram_draft: Service, service_tmp: Path
+) -> None:
+    """--draft-max-running 1: alone a request speculates; one that starts while another runs decodes target-only
+    (timings say load_shed), with the same text."""
+    gateway = start_gateway(target.address, ngram_draft.address, service_tmp, "--draft-max-running", "1")
+    try:
+        url = f"{gateway.address}/v1/chat/completions"
+        body = {"messages": [{"role": "user", "content": "Count from 1 to 60."}], "max_tokens": 120, "temperature": 0}
+        alone = httpx.post(url, json=body, timeout=300).json()
+        assert alone["timings"]["speculation"] == "on" and "load_shed" not in alone["timings"]
+        long_body = {**body, "max_tokens": 400, "messages": [{"role": "user", "content": "Count from 1 to 300."}]}
+        results: dict = {}
+        worker = threading.Thread(target=lambda: results.update(first=httpx.post(url, json=long_body, timeout=300)))
+        worker.start()
+        running = lambda: httpx.get(f"{gateway.address}/health").json()["requests"]["running"] >= 1  # noqa: E731
+        assert _wait_for(running, 30)
+        busy = httpx.post(url, json=body, timeout=300).json()
+        worker.join(timeout=300)
+        assert results["first"].status_code == 200
+        assert busy["timings"]["speculation"] == "off" and busy["timings"]["load_shed"] is True
+        assert busy["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+    finally:
+        gateway.stop()

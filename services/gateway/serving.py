@@ -166,7 +166,7 @@ class Serving:
         return self.settings.adaptive_k and not (req.seed is not None and req.temperature > 0)
 
     def start(self, gen_req: GenerationRequest) -> Generation:
-        return Generation(self.up, gen_req, self.options, self.metrics, self.costs)
+        return Generation(self.up, gen_req, self.options, self.metrics, self.costs, lambda: self.admission.running)
 
     async def deltas(self, generation: Generation, stop: Sequence[str]) -> AsyncIterator[Delta]:
         """Visible text as it becomes safe to show, ending with a Delta that carries the finish reason."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 from services.gateway.adaptive import CostModel
@@ -60,8 +60,11 @@ class Generation:
         options: GenerationOptions | None = None,
         metrics: GatewayMetrics | None = None,
         costs: CostModel | None = None,
+        running: Callable[[], int] | None = None,
     ) -> None:
+        """`running`: how many generations the gateway runs now (this one included), for `draft_max_running`."""
         self.req = request
+        self._running = running
         self.options = options or GenerationOptions()
         self.ctx = Context(upstreams, request, self.options, metrics, costs if costs is not None else CostModel())
         has_drafter = upstreams.draft is not None or self.options.local_ngram
@@ -92,6 +95,11 @@ class Generation:
             "tandem.generate",
             attributes={"tandem.prompt_tokens": len(self.req.prompt_token_ids), "tandem.n_max": self.req.n_max},
         )
+        limit = self.options.draft_max_running
+        if limit and ctx.drafting and self._running is not None and self._running() > limit:
+            ctx.drafting = False  # a busy server: this request sheds speculation (decided once, at its start)
+            self.strategy = TargetOnly(ctx)
+            ctx.stats.load_shed = True
         try:
             opened = await self._open()
             ctx.started_ns = ctx.last_token_ns = time.perf_counter_ns()

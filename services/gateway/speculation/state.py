@@ -41,6 +41,7 @@ class GenerationOptions:
     plain_burst_ms: float = PLAIN_BURST_MS
     target_lookup: bool = True  # let the target run the gateway's lookup rule inside target-only calls
     continue_rounds: bool = True  # an n-gram service's round may go on as target-only decoding in the same call
+    draft_max_running: int = 0  # beyond this many running generations a starting request decodes target-only
 
     @classmethod
     def from_settings(cls, settings) -> GenerationOptions:
@@ -54,6 +55,7 @@ class GenerationOptions:
             plain_burst_ms=settings.plain_burst_ms,
             target_lookup=settings.target_lookup,
             continue_rounds=settings.continue_rounds,
+            draft_max_running=settings.draft_max_running,
         )
 
 
@@ -112,6 +114,7 @@ class GenerationStats:
     draft_service_ns: int = 0  # wall time of Propose calls inside the draft service (the rest of draft_ns is gRPC)
     verify_service_ns: int = 0  # wall time of Verify calls inside the target service
     speculation: str = "off"  # off | on | degraded (draft failed mid-request) | stopped (drafting cannot pay here)
+    load_shed: bool = False  # started on a busy server (--draft-max-running): decoded target-only
     synthetic_acceptance: str = ""  # benchmark targets only: acceptance is imposed, the text is not valid
     k_chosen: int = 0  # sum of the draft lengths asked for, over rounds (adaptive k)
     k_rounds: int = 0
@@ -144,6 +147,7 @@ class GenerationStats:
             "draft_n": self.draft_n,
             "draft_n_accepted": self.draft_n_accepted,
             "speculation": self.speculation,
+            **({"load_shed": True} if self.load_shed else {}),
             **({"synthetic_acceptance": self.synthetic_acceptance} if self.synthetic_acceptance else {}),
         }
         if detail:
