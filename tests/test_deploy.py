@@ -120,12 +120,46 @@ def test_compose_validator_rejects_a_broken_file(compose: Path, tmp_path: Path) 
 EXPECTED = {
     # profile: (target service, draft service, nvidia GPU services, AMD services)
     "cpu": ("target-cpu", "draft-cpu", set(), set()),
-    "mixed": ("target-cuda", "draft-rocm", {"target-cuda"}, {"draft-rocm"}),
     "gpu": ("target-cuda", "draft-cuda", {"target-cuda", "draft-cuda"}, set()),
 }
+# The mixed profile: the target inside the gateway (--colocate-target) on the NVIDIA card, the draft on the AMD card.
+MIXED = ("gateway-cuda", "draft-rocm")
 
 
-@pytest.mark.parametrize("profile", PROFILES)
+def _check_model_service(service: dict, alias: str, kind: str, nvidia: bool, amd: bool) -> None:
+    assert service["networks"]["default"]["aliases"] == [alias]
+    assert service["environment"]["TANDEM_SERVICE"] == alias
+    assert service["environment"][f"TANDEM_{kind}_HOST"] == "0.0.0.0"
+    assert "grpc_health_check.py" in " ".join(service["healthcheck"]["test"])
+    _check_hardened(service)
+    assert "ports" not in service  # model services are never published
+    _check_devices(service, kind, nvidia, amd)
+
+
+def _check_hardened(service: dict) -> None:
+    assert service["restart"] == "unless-stopped"
+    assert service["read_only"] is True
+    assert service["cap_drop"] == ["ALL"]
+    [volume] = service["volumes"]
+    assert (volume["target"], volume["read_only"]) == ("/models", True)
+
+
+def _check_devices(service: dict, kind: str, nvidia: bool, amd: bool) -> None:
+    devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    if nvidia:
+        assert devices == [{"driver": "nvidia", "device_ids": ["0"], "capabilities": ["gpu"]}]
+        assert service["environment"][f"TANDEM_{kind}_N_GPU_LAYERS"] == "-1"
+    else:
+        assert devices == []
+    if amd:
+        assert {d["source"] for d in service["devices"]} == {"/dev/kfd", "/dev/dri"}
+        assert service["group_add"] == ["video", "render"]
+        assert service["image"] == "tandem-model:rocm"
+    else:
+        assert "devices" not in service
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
 def test_compose_profile_layout(compose: Path, profile: str) -> None:
     config = compose_config(compose, profile, host=False)
     services = config["services"]
@@ -139,34 +173,27 @@ def test_compose_profile_layout(compose: Path, profile: str) -> None:
     assert [(p["host_ip"], p["published"], p["target"]) for p in gateway["ports"]] == [("127.0.0.1", "8000", 8000)]
     for name in (target, draft):
         assert gateway["depends_on"][name]["condition"] == "service_healthy"
-
     for name, alias, kind in ((target, "target", "TARGET"), (draft, "draft", "DRAFT")):
-        service = services[name]
-        assert service["networks"]["default"]["aliases"] == [alias]
-        assert service["environment"]["TANDEM_SERVICE"] == alias
-        assert service["environment"][f"TANDEM_{kind}_HOST"] == "0.0.0.0"
-        assert "grpc_health_check.py" in " ".join(service["healthcheck"]["test"])
-        assert service["restart"] == "unless-stopped"
-        assert service["read_only"] is True
-        assert service["cap_drop"] == ["ALL"]
-        assert "ports" not in service  # model services are never published
-        [volume] = service["volumes"]
-        assert (volume["target"], volume["read_only"]) == ("/models", True)
-
-        devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
-        if name in nvidia:
-            assert devices == [{"driver": "nvidia", "device_ids": ["0"], "capabilities": ["gpu"]}]
-            assert service["environment"][f"TANDEM_{kind}_N_GPU_LAYERS"] == "-1"
-        else:
-            assert devices == []
-        if name in amd:
-            assert {d["source"] for d in service["devices"]} == {"/dev/kfd", "/dev/dri"}
-            assert service["group_add"] == ["video", "render"]
-            assert service["image"] == "tandem-model:rocm"
-        else:
-            assert "devices" not in service
-
+        _check_model_service(services[name], alias, kind, name in nvidia, name in amd)
     assert services[draft]["environment"]["TANDEM_DRAFT_DRAFTER"] == ("ngram" if profile == "cpu" else "model")
+
+
+def test_compose_mixed_profile_runs_the_target_in_the_gateway(compose: Path) -> None:
+    services = compose_config(compose, "mixed", host=False)["services"]
+    gateway_name, draft_name = MIXED
+    assert set(services) == {gateway_name, draft_name}
+    gateway = services[gateway_name]
+    env = gateway["environment"]
+    assert env["TANDEM_SERVICE"] == "gateway" and env["TANDEM_GATEWAY_COLOCATE_TARGET"] == "true"
+    assert env["TANDEM_GATEWAY_DRAFT"] == "draft:50052"
+    assert gateway["image"] == "tandem-model:cuda"  # the CUDA build runs the target, in the gateway's process
+    assert [(p["host_ip"], p["published"], p["target"]) for p in gateway["ports"]] == [("127.0.0.1", "8000", 8000)]
+    assert gateway["depends_on"][draft_name]["condition"] == "service_healthy"
+    assert "/health" in " ".join(gateway["healthcheck"]["test"])
+    _check_hardened(gateway)
+    _check_devices(gateway, "TARGET", nvidia=True, amd=False)
+    _check_model_service(services[draft_name], "draft", "DRAFT", nvidia=False, amd=True)
+    assert services[draft_name]["environment"]["TANDEM_DRAFT_DRAFTER"] == "model"
 
 
 def test_compose_model_paths_and_port_from_environment(compose: Path) -> None:
@@ -178,12 +205,12 @@ def test_compose_model_paths_and_port_from_environment(compose: Path) -> None:
         "TARGET_GPU": "GPU-1234",
     }
     config = compose_config(compose, "mixed", host=False, env=env)
-    target, draft = config["services"]["target-cuda"], config["services"]["draft-rocm"]
+    target, draft = config["services"]["gateway-cuda"], config["services"]["draft-rocm"]
     assert target["environment"]["TANDEM_TARGET_MODEL"] == "/models/big.gguf"
     assert draft["environment"]["TANDEM_DRAFT_MODEL"] == "/models/small.gguf"
     assert target["volumes"][0]["source"] == "/srv/models"
     assert target["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["GPU-1234"]
-    assert config["services"]["gateway"]["ports"][0]["published"] == "8080"
+    assert target["ports"][0]["published"] == "8080"
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -191,12 +218,19 @@ def test_compose_host_network_override(compose: Path, profile: str) -> None:
     env = compose_env() | {"TANDEM_PORT": "18000", "TARGET_PORT": "50151", "DRAFT_PORT": "50152"}
     config = compose_config(compose, profile, host=True, env=env)
     assert "networks" not in config  # no bridge network is created at all
-    target, draft, _, _ = EXPECTED[profile]
     for name, service in config["services"].items():
         assert service["network_mode"] == "host", name
         assert "networks" not in service and "ports" not in service, name
-        hosts = [v for k, v in service["environment"].items() if k.endswith("_HOST")]
-        assert hosts == ["127.0.0.1"], (name, hosts)  # on the host's network: loopback only
+        hosts = {v for k, v in service["environment"].items() if k.endswith("_HOST")}
+        assert hosts == {"127.0.0.1"}, (name, hosts)  # on the host's network: loopback only
+    if profile == "mixed":
+        gateway_name, draft = MIXED
+        gateway = config["services"][gateway_name]["environment"]
+        assert gateway["TANDEM_GATEWAY_PORT"] == "18000"
+        assert gateway["TANDEM_GATEWAY_DRAFT"] == "127.0.0.1:50152"
+        assert config["services"][draft]["environment"]["TANDEM_DRAFT_PORT"] == "50152"
+        return
+    target, draft, _, _ = EXPECTED[profile]
     gateway = config["services"]["gateway"]["environment"]
     assert gateway["TANDEM_GATEWAY_PORT"] == "18000"
     assert gateway["TANDEM_GATEWAY_TARGET"] == "127.0.0.1:50151"
@@ -478,7 +512,7 @@ def test_shellcheck(script: Path) -> None:
 
 def test_entrypoint_drops_empty_model_paths(tmp_path: Path) -> None:
     """An empty TANDEM_*_MODEL (compose's ${TARGET_MODEL:-}) must reach the service as unset, not as the path ''."""
-    for service in ("target", "draft"):
+    for service in ("target", "draft", "gateway"):
         stub = tmp_path / f"tandem-{service}"
         stub.write_text(
             '#!/bin/sh\necho "service=' + service + ' args=$*"\n'
@@ -492,7 +526,8 @@ def test_entrypoint_drops_empty_model_paths(tmp_path: Path) -> None:
     assert out.splitlines() == ["service=target args=--n-ctx 64", "target_model=<unset> draft_model=/models/d.gguf"]
     env = {"PATH": path, "TANDEM_SERVICE": "draft", "TANDEM_DRAFT_MODEL": ""}
     assert "service=draft" in run(["sh", entrypoint], env=env).stdout
-    assert run(["sh", entrypoint], env={"PATH": path, "TANDEM_SERVICE": "gateway"}).returncode == 64
+    assert "service=gateway" in run(["sh", entrypoint], env={"PATH": path, "TANDEM_SERVICE": "gateway"}).stdout
+    assert run(["sh", entrypoint], env={"PATH": path, "TANDEM_SERVICE": "stack"}).returncode == 64
 
 
 def free_port() -> int:
