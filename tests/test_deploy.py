@@ -289,7 +289,9 @@ def test_chart_lint_and_schema_reject_bad_values(helm_check: ModuleType) -> None
 def test_chart_renders_hardened_workloads(rendered: dict[str, dict[str, str]], values: str) -> None:
     objs = objects(rendered[values])
     deployments = {name: o for (kind, name), o in objs.items() if kind == "Deployment"}
-    assert set(deployments) == {"tandem-target", "tandem-draft", "tandem-gateway"}
+    in_gateway = values == "target-in-gateway"
+    models = ["draft"] if in_gateway else ["target", "draft"]
+    assert set(deployments) == {*(f"tandem-{m}" for m in models), "tandem-gateway"}
     for name, deployment in deployments.items():
         assert deployment["metadata"]["namespace"] == "tandem"
         pod = deployment["spec"]["template"]["spec"]
@@ -304,6 +306,8 @@ def test_chart_renders_hardened_workloads(rendered: dict[str, dict[str, str]], v
         assert container["resources"]["requests"] and container["resources"]["limits"]
         assert container["readinessProbe"] and container["livenessProbe"], name
     for component, service_name, port in (("target", "tandem.v1.Target", 50051), ("draft", "tandem.v1.Draft", 50052)):
+        if component not in models:
+            continue
         deployment = deployments[f"tandem-{component}"]
         assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
         [container] = deployment["spec"]["template"]["spec"]["containers"]
@@ -319,10 +323,30 @@ def test_chart_renders_hardened_workloads(rendered: dict[str, dict[str, str]], v
             assert mounts["models"]["readOnly"] is True and mounts["models"]["mountPath"] == "/models"
     [gateway] = deployments["tandem-gateway"]["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e["value"] for e in gateway["env"]}
-    assert env["TANDEM_GATEWAY_TARGET"] == "tandem-target:50051"
+    assert env["TANDEM_GATEWAY_TARGET"] == ("in-process" if in_gateway else "tandem-target:50051")
     assert env["TANDEM_GATEWAY_DRAFT"] == "tandem-draft:50052"
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
     assert "tandem/templates/NOTES.txt" in rendered[values]
+
+
+def test_chart_target_in_gateway_loads_the_target_in_the_gateway_pod(rendered: dict[str, dict[str, str]]) -> None:
+    """target.inGateway: no target Deployment, Service or NetworkPolicy; the gateway pod runs the model image with the
+    target's model, GPU, placement and models volume, one replica, and a startup probe long enough to load it."""
+    objs = objects(rendered["target-in-gateway"])
+    assert not any(name == "tandem-target" for (_, name) in objs)
+    deployment = objs[("Deployment", "tandem-gateway")]
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    pod = deployment["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["TANDEM_SERVICE"] == "gateway" and env["TANDEM_GATEWAY_COLOCATE_TARGET"] == "true"
+    assert env["TANDEM_TARGET_MODEL"] == "/models/qwen2.5-14b-instruct-q4_k_m.gguf"
+    assert env["TANDEM_TARGET_N_GPU_LAYERS"] == "-1"
+    assert container["image"] == "tandem-model:0.1.0-cuda"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert pod["runtimeClassName"] == "nvidia" and pod["nodeSelector"] == {"tandem.io/accelerator": "nvidia"}
+    assert {m["name"]: m["mountPath"] for m in container["volumeMounts"]}["models"] == "/models"
+    assert container["startupProbe"]["httpGet"]["path"] == "/health"
 
 
 def test_chart_defaults_fit_a_single_cpu_node(rendered: dict[str, dict[str, str]]) -> None:

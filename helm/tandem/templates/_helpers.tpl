@@ -132,46 +132,7 @@ spec:
               value: "0.0.0.0"
             - name: {{ $p }}PORT
               value: {{ $v.port | quote }}
-            {{- if $v.model }}
-            - name: {{ $p }}MODEL
-              value: {{ $v.model | quote }}
-            {{- end }}
-            {{- if eq $component "draft" }}
-            - name: {{ $p }}DRAFTER
-              value: {{ $v.drafter | quote }}
-            {{- end }}
-            {{- if eq $component "target" }}
-            - name: {{ $p }}VERIFY_MODE
-              value: {{ $v.verifyMode | quote }}
-            {{- end }}
-            - name: {{ $p }}N_GPU_LAYERS
-              value: {{ $v.nGpuLayers | quote }}
-            - name: {{ $p }}MAIN_GPU
-              value: {{ $v.mainGpu | quote }}
-            - name: {{ $p }}SPLIT_MODE
-              value: {{ $v.splitMode | quote }}
-            - name: {{ $p }}N_THREADS
-              value: {{ $v.nThreads | quote }}
-            - name: {{ $p }}N_CTX
-              value: {{ $v.nCtx | quote }}
-            - name: {{ $p }}MAX_SESSIONS
-              value: {{ $v.maxSessions | quote }}
-            - name: {{ $p }}CACHE_TYPE_K
-              value: {{ $v.cacheTypeK | quote }}
-            - name: {{ $p }}CACHE_TYPE_V
-              value: {{ $v.cacheTypeV | quote }}
-            - name: {{ $p }}FLASH_ATTN
-              value: {{ $v.flashAttn | quote }}
-            - name: {{ $p }}LOG_LEVEL
-              value: {{ $v.logLevel | quote }}
-            # The root filesystem is read-only: caches go to the /tmp emptyDir.
-            - name: XDG_CACHE_HOME
-              value: /tmp/.cache
-            - name: CUDA_CACHE_PATH
-              value: /tmp/.nv
-            {{- with $v.extraEnv }}
-            {{- toYaml . | nindent 12 }}
-            {{- end }}
+            {{- include "tandem.modelEnv" (dict "root" $root "component" $component "envPrefix" $p) | nindent 12 }}
           ports:
             - name: grpc
               containerPort: {{ $v.port }}
@@ -257,4 +218,55 @@ spec:
       targetPort: grpc
       protocol: TCP
       appProtocol: kubernetes.io/h2c
+{{- end }}
+
+{{/*
+A model's settings as environment variables (not its address: a service binds its own, an in-process target none).
+Call with (dict "root" $ "component" "target" "envPrefix" "TANDEM_TARGET_").
+*/}}
+{{- define "tandem.modelEnv" -}}
+{{- $root := .root -}}
+{{- $component := .component -}}
+{{- $v := index $root.Values $component -}}
+{{- $p := .envPrefix -}}
+{{- if $v.model }}
+- name: {{ $p }}MODEL
+  value: {{ $v.model | quote }}
+{{- end }}
+{{- if eq $component "draft" }}
+- name: {{ $p }}DRAFTER
+  value: {{ $v.drafter | quote }}
+{{- end }}
+{{- if eq $component "target" }}
+- name: {{ $p }}VERIFY_MODE
+  value: {{ $v.verifyMode | quote }}
+{{- end }}
+- name: {{ $p }}N_GPU_LAYERS
+  value: {{ $v.nGpuLayers | quote }}
+- name: {{ $p }}MAIN_GPU
+  value: {{ $v.mainGpu | quote }}
+- name: {{ $p }}SPLIT_MODE
+  value: {{ $v.splitMode | quote }}
+- name: {{ $p }}N_THREADS
+  value: {{ $v.nThreads | quote }}
+- name: {{ $p }}N_CTX
+  value: {{ $v.nCtx | quote }}
+- name: {{ $p }}MAX_SESSIONS
+  value: {{ $v.maxSessions | quote }}
+- name: {{ $p }}CACHE_TYPE_K
+  value: {{ $v.cacheTypeK | quote }}
+- name: {{ $p }}CACHE_TYPE_V
+  value: {{ $v.cacheTypeV | quote }}
+- name: {{ $p }}FLASH_ATTN
+  value: {{ $v.flashAttn | quote }}
+- name: {{ $p }}LOG_LEVEL
+  value: {{ $v.logLevel | quote }}
+# The root filesystem is read-only: caches go to the /tmp emptyDir.
+- name: XDG_CACHE_HOME
+  value: /tmp/.cache
+- name: CUDA_CACHE_PATH
+  value: /tmp/.nv
+{{- with $v.extraEnv }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
