@@ -11,6 +11,7 @@ The matcher follows the emitted tokens and rolls back with the KV cache.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Sequence
@@ -39,26 +40,33 @@ class Constraint:
     named: tuple[tuple[str, str], ...] = ()
 
     def grammar(self) -> str:
-        """llguidance's grammar for this constraint; InvalidArgument naming the problem if it does not compile."""
-        try:
-            if self.kind == "json_schema":
-                grammar = LLMatcher.grammar_from_json_schema(json.loads(self.source))
-            elif self.kind == "lark" and self.named:
-                grammars = [{"lark_grammar": self.source}]
-                grammars += [{"name": name, "lark_grammar": source} for name, source in self.named]
-                grammar = json.dumps({"grammars": grammars})
-            elif self.kind == "lark":
-                grammar = LLMatcher.grammar_from_lark(self.source)
-            elif self.kind == "regex":
-                grammar = LLMatcher.grammar_from_regex(self.source)
-            else:
-                raise InvalidArgument(f"unknown constraint kind {self.kind!r}")
-        except (ValueError, TypeError, RuntimeError) as exc:  # json.JSONDecodeError is a ValueError
-            raise InvalidArgument(f"the {self.kind.replace('_', ' ')} does not compile: {_first_line(exc)}") from exc
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
-        if is_error:
-            raise InvalidArgument(f"the {self.kind.replace('_', ' ')} does not compile: {_first_line(messages[0])}")
-        return grammar
+        """llguidance's grammar for this constraint; InvalidArgument naming the problem if it does not compile.
+        Compiled once per distinct constraint in a process (the gateway checks a request's grammar before the
+        target, or a co-located target, compiles the same one)."""
+        return _compile(self.kind, self.source, self.named)
+
+
+@functools.lru_cache(maxsize=64)
+def _compile(kind: ConstraintKind, source: str, named: tuple[tuple[str, str], ...]) -> str:
+    try:
+        if kind == "json_schema":
+            grammar = LLMatcher.grammar_from_json_schema(json.loads(source))
+        elif kind == "lark" and named:
+            grammars = [{"lark_grammar": source}]
+            grammars += [{"name": name, "lark_grammar": sub} for name, sub in named]
+            grammar = json.dumps({"grammars": grammars})
+        elif kind == "lark":
+            grammar = LLMatcher.grammar_from_lark(source)
+        elif kind == "regex":
+            grammar = LLMatcher.grammar_from_regex(source)
+        else:
+            raise InvalidArgument(f"unknown constraint kind {kind!r}")
+    except (ValueError, TypeError, RuntimeError) as exc:  # json.JSONDecodeError is a ValueError
+        raise InvalidArgument(f"the {kind.replace('_', ' ')} does not compile: {_first_line(exc)}") from exc
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise InvalidArgument(f"the {kind.replace('_', ' ')} does not compile: {_first_line(messages[0])}")
+    return grammar
 
 
 def _first_line(message: object, limit: int = 300) -> str:

@@ -7,7 +7,7 @@ the answer silently (n > 1, tools, logit_bias...): those are a 400 naming the pa
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -97,18 +97,23 @@ class CustomCall(BaseModel):
     input: str = ""
 
 
-class MessageToolCall(BaseModel):
+class _TypeNamesItsField(BaseModel):
+    """OpenAI's tagged shape, `{"type": "function", "function": {...}}`: the field `type` names must be there."""
+
+    @model_validator(mode="after")
+    def _has_body(self):
+        if getattr(self, self.type) is None:  # type: ignore[attr-defined]
+            raise ValueError(f"a {self._what} of type {self.type!r} needs its {self.type!r} field")  # type: ignore[attr-defined]
+        return self
+
+
+class MessageToolCall(_TypeNamesItsField):
     model_config = ConfigDict(extra="allow")
+    _what: ClassVar[str] = "tool call"
     id: str = ""
     type: Literal["function", "custom"] = "function"
     function: FunctionCall | None = None
     custom: CustomCall | None = None
-
-    @model_validator(mode="after")
-    def _has_body(self) -> MessageToolCall:
-        if (self.function if self.type == "function" else self.custom) is None:
-            raise ValueError(f"a tool call of type {self.type!r} needs its {self.type!r} field")
-        return self
 
     def as_call(self) -> ToolCall:
         if self.custom is not None and self.type == "custom":
@@ -155,16 +160,11 @@ class CustomDef(BaseModel):
     format: CustomFormat | None = None
 
 
-class ToolDef(BaseModel):
+class ToolDef(_TypeNamesItsField):
+    _what: ClassVar[str] = "tool"
     type: Literal["function", "custom"]
     function: FunctionDef | None = None
     custom: CustomDef | None = None
-
-    @model_validator(mode="after")
-    def _has_body(self) -> ToolDef:
-        if (self.function if self.type == "function" else self.custom) is None:
-            raise ValueError(f"a tool of type {self.type!r} needs its {self.type!r} field")
-        return self
 
     def as_tool(self) -> Tool:
         if self.type == "custom" and self.custom is not None:
