@@ -125,9 +125,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--synth-seed", type=int, default=0)
     parser.add_argument(
         "--colocated-gateway",
-        action="store_true",
-        help="run a co-located gateway (services.gateway --colocate) around this target instead of a target"
-        " service: the other flags are the gateway's, the models' settings come from TANDEM_TARGET_* and"
+        nargs="?",
+        const="all",
+        choices=("all", "target"),
+        default=None,
+        help="run a gateway around this target instead of a target service: `all` loads the draft too"
+        " (services.gateway --colocate), `target` keeps the draft a gRPC service (--colocate-target, --draft"
+        " ADDRESS); the other flags are the gateway's, the models' settings come from TANDEM_TARGET_* and"
         " TANDEM_DRAFT_*",
     )
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
@@ -139,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.colocated_gateway:
         from services.gateway.__main__ import main as gateway_main
 
-        gateway_main(["--colocate", *rest], verifier_class)
+        flag = "--colocate" if args.colocated_gateway == "all" else "--colocate-target"
+        gateway_main([flag, *rest], verifier_class)
         return
 
     from services.target.__main__ import serve_target

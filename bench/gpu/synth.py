@@ -112,7 +112,7 @@ def measure_tandem(args, client, pair, placement, length, gateways: dict[str, Pr
         if length > k + 1:
             continue
         for overlap, gw in gateways.items():
-            spec = {"speculative.n_max": k, "speculative.adaptive": False}
+            spec = {"speculative.n_max": k, "speculative.adaptive": False, "speculative.overlap": overlap == "on"}
             replies = [complete(client, gw.address, args.max_tokens, spec) for _ in range(args.reps)]
             rows.append({"mode": mode, **tandem_row(pair, placement, length, k, overlap, replies, base)})
             log(f"{pair} {mode} {placement} L={length} k={k} overlap {overlap}: {rows[-1]['tok_s']} tok/s")
@@ -121,7 +121,7 @@ def measure_tandem(args, client, pair, placement, length, gateways: dict[str, Pr
 
 def run_tandem_colocated(args, client, pair, target_path, draft_path, rows, deadline, log_dir) -> None:
     """The same rows with the target and the draft loaded into the gateway's process (services.gateway --colocate):
-    no gRPC between them. One gateway (one 70B copy) at a time: overlap on, then off."""
+    no gRPC between them. One gateway (one 70B copy) at a time."""
     target = settings_from_flags([*TARGET_FLAGS, "--no-prefix-cache"])
     target |= {"model": str(target_path), "flash_attn": args.flash_attn}
     for length in args.lengths:
@@ -133,18 +133,52 @@ def run_tandem_colocated(args, client, pair, target_path, draft_path, rows, dead
                 continue
             draft = settings_from_flags([*PLACEMENTS[placement][0].split(), *DRAFT_FLAGS, "--no-prefix-cache"])
             draft |= {"drafter": "model", "model": str(draft_path), "flash_attn": args.flash_attn}
-            for overlap in ("on", "off"):
-                log(f"{pair}: co-located gateway L={length}, draft on {placement}, overlap {overlap} ...")
-                gw = start_colocated_gateway(
-                    log_dir, target, draft, "--synth-len", str(length), "--colocated-gateway",
-                    f"--{'' if overlap == 'on' else 'no-'}overlap-draft", timeout=900, module="bench.synthetic_target",
+            log(f"{pair}: co-located gateway L={length}, draft on {placement} ...")
+            gw = start_colocated_gateway(
+                log_dir, target, draft, "--synth-len", str(length), "--colocated-gateway", timeout=900,
+                module="bench.synthetic_target",
+            )  # fmt: skip
+            try:  # overlap is a request key (speculative.overlap): one load of both models serves both
+                base = measure_tandem(
+                    args, client, pair, placement, length, {"on": gw, "off": gw}, base, rows, "co-located"
+                )
+            finally:
+                gw.stop()
+
+
+def run_tandem_target_in_gateway(args, client, pair, target_path, draft_path, rows, deadline, log_dir) -> None:
+    """The middle layout (`--colocate-target`): the target loaded into the gateway's process, the draft a gRPC service
+    in its own process (on the same GPU or the CPU)."""
+    target = settings_from_flags([*TARGET_FLAGS, "--no-prefix-cache"])
+    target |= {"model": str(target_path), "flash_attn": args.flash_attn}
+    env = {f"TANDEM_TARGET_{k.upper()}": v for k, v in target.items()}
+    for length in args.lengths:
+        base = None
+        for placement in args.placements:
+            if time.monotonic() > deadline:
+                rows.append({"engine": "tandem", "mode": "target-in-gateway", "pair": pair, "L": length,
+                             "draft_on": placement, "skipped": "deadline"})  # fmt: skip
+                continue
+            draft = start_model_service(
+                "services.draft",
+                ["--drafter", "model", "--model", str(draft_path), *PLACEMENTS[placement][0].split(), *DRAFT_FLAGS,
+                 "--no-prefix-cache", "--flash-attn", args.flash_attn],
+                log_dir, timeout=600,
+            )  # fmt: skip
+            try:
+                log(f"{pair}: target-in-gateway L={length}, draft on {placement} ...")
+                gw = start_gateway(
+                    "in-process", draft.address, log_dir, "--synth-len", str(length), "--colocated-gateway", "target",
+                    timeout=900, module="bench.synthetic_target", env=env,
                 )  # fmt: skip
-                try:
-                    base = measure_tandem(
-                        args, client, pair, placement, length, {overlap: gw}, base, rows, "co-located"
-                    )
+                try:  # overlap is a request key (speculative.overlap): one target load serves both
+                    gateways = {"on": gw, "off": gw}
+                    mode = "target-in-gateway"
+                    base = measure_tandem(args, client, pair, placement, length, gateways, base, rows, mode)
                 finally:
                     gw.stop()
+            finally:
+                draft.stop()
 
 
 TARGET_FLAGS = ["--n-gpu-layers", "-1", "--device", "cuda:0", "--n-threads", "4", "--max-sessions", "2",
@@ -285,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modes", default="services",
         help="tandem's deployments, comma-separated: services (draft, target and gateway as processes, gRPC between"
-        " them), co-located (both models inside the gateway's process: services.gateway --colocate)",
+        " them), target-in-gateway (the target inside the gateway's process, the draft a service: --colocate-target),"
+        " co-located (both models inside the gateway's process: services.gateway --colocate)",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -315,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                 paths = args.models / f"{target_shape}.gguf", args.models / f"{draft_shape}.gguf"
                 if args.only != "peer" and "services" in args.modes:
                     run_tandem(args, client, pair, *paths, rows, deadline, log_dir)
+                if args.only != "peer" and "target-in-gateway" in args.modes:
+                    run_tandem_target_in_gateway(args, client, pair, *paths, rows, deadline, log_dir)
                 if args.only != "peer" and "co-located" in args.modes:
                     run_tandem_colocated(args, client, pair, *paths, rows, deadline, log_dir)
                 if args.peer and args.only != "tandem":

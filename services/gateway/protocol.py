@@ -253,6 +253,12 @@ class SamplingFields(BaseModel):
         description="extension: choose each round's draft length in n_min..n_max (default: the server's setting,"
         " which never applies to a seeded sampled request: timing-driven lengths would change its text)",
     )
+    speculative_overlap: bool | None = Field(
+        None,
+        alias="speculative.overlap",
+        description="extension: a model draft drafts the next round while the target verifies this one (default: the"
+        " server's --overlap-draft)",
+    )
     response_format: ResponseFormat | None = None
     timings_detail: bool = Field(
         False, description="extension: add tandem's split of round time and its round counters to `timings`"

@@ -117,6 +117,7 @@ class Serving:
             n_min=n_min,
             top_logprobs=top_logprobs,
             adaptive=self._adaptive(req),
+            overlap=req.speculative_overlap,
             ngram_min=ngram_min,
             constraint=constraint,
         )

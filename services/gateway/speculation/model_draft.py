@@ -29,7 +29,7 @@ class ModelDraft:
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.overlap = ctx.opts.overlap
+        self.overlap = ctx.opts.overlap if ctx.req.overlap is None else ctx.req.overlap
         self.policy = (
             # Overlapped, the draft's time hides behind verification, so its cost alone cannot rule drafting out.
             DraftLengthPolicy(

@@ -24,6 +24,7 @@ class GenerationRequest:
     n_min: int = 0  # drafts shorter than this are not verified
     top_logprobs: int = -1  # -1 none, 0 chosen token only, n alternatives
     adaptive: bool = True  # choose k per round in [n_min, n_max] from measured costs and acceptance
+    overlap: bool | None = None  # the request's own choice of GenerationOptions.overlap (None: the server's)
     ngram_min: int = NGRAM_MIN  # the gateway's own lookup drafts behind suffix matches at least this long
     constraint: Constraint | None = None  # what the output must match (the target masks with it)
 
