@@ -38,12 +38,12 @@ WHEELS="fastapi starlette uvicorn pydantic pydantic-core pydantic-settings pytho
 annotated-types annotated-doc opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions
 opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-common opentelemetry-proto
 googleapis-common-protos grpcio grpcio-health-checking grpcio-reflection protobuf diskcache gguf pyyaml py-spy
-typing-extensions"
+typing-extensions llguidance"
 for name in $WHEELS; do
   version=$("$PY" -m pip show "$name" 2>/dev/null | awk '/^Version:/{print $2}' || true)  # not installed here: latest
   spec="$name"; [ -n "$version" ] && spec="$name==$version"
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$OUT/wheels" "$spec"
 done
 
