@@ -137,14 +137,13 @@ def main(argv: list[str] | None = None) -> None:
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     synthetic = SyntheticAcceptance(args.synth_len, args.synth_n_max, args.synth_seed)
 
-    verifier_class = synthetic_verifier(synthetic)
     print(f"tandem: SYNTHETIC ACCEPTANCE ({synthetic.label}); benchmark only, text is not valid", flush=True)
 
     if args.colocated_gateway:
         from services.gateway.__main__ import main as gateway_main
 
         flag = "--colocate" if args.colocated_gateway == "all" else "--colocate-target"
-        gateway_main([flag, *rest], verifier_class)
+        gateway_main([flag, *rest], lambda: synthetic_verifier(synthetic))
         return
 
     from services.target.__main__ import serve_target
@@ -152,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     from tandem.config import TargetSettings
 
     async def run(settings: TargetSettings) -> None:
-        await serve_target(settings, verifier_class)
+        await serve_target(settings, synthetic_verifier(synthetic))  # after llama_cpp: see services.gateway main
 
     service_main(TargetSettings, "tandem-target-synthetic", run, rest)
 
