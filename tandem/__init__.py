@@ -10,4 +10,4 @@ from `make proto`).
 __version__ = "0.1.0"
 # The gRPC contract's revision (InfoResponse.protocol_version): raised on any change an older peer would misread.
 # With the draft on another node versions can skew; the gateway refuses a service whose revision differs.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3

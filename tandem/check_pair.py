@@ -2,8 +2,9 @@
 
 Reads both GGUFs without their weights (paths, short names or `hf://` references, fetched as the services would) and
 says whether their vocabularies are the same (the vocabulary fingerprint the gateway compares at start-up: token ids
-mean the same text, so the draft's tokens can be verified as they are), with each model's size and context. Exit
-status 0 for a pair tandem serves, 1 for one it refuses.
+mean the same text, so the draft's tokens can be verified as they are) or differ (the draft then drafts in text:
+cross-vocabulary drafting, docs/decisions/0015), with each model's size and context. Exit status 0 for a pair tandem
+serves (every pair of GGUFs today), 1 for one it refuses.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def verdict(target: ModelSummary, draft: ModelSummary) -> tuple[bool, list[str]]
         lines.append("same vocabulary: the draft's token ids mean the target's text; tandem serves this pair")
     else:
         lines.append(
-            "different vocabularies: the gateway refuses this pair (a draft from the same family, e.g. the 0.5-1B "
-            "model of the target's series, or the model-free --drafter ngram)"
+            "different vocabularies: tandem serves this pair by cross-vocabulary drafting (the draft proposes text, the"
+            " target verifies its own tokens of it); a draft from the target's family accepts more, without translating"
         )
     ratio = target.file_bytes / max(draft.file_bytes, 1)
     lines.append(f"size ratio {ratio:.1f}x: the draft's step must cost well under the target's for drafting to pay")
@@ -44,7 +45,7 @@ def verdict(target: ModelSummary, draft: ModelSummary) -> tuple[bool, list[str]]
             f"the draft's context ({draft.context_length}) is shorter than the target's ({target.context_length}):"
             " prompts longer than it are served target-only"
         )
-    return same, lines
+    return True, lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -308,6 +308,12 @@ class GatewaySettings(BaseSettings):
         False,
         description="model drafters: draft the next round while the target verifies this one (draft on another device)",
     )
+    # see docs/decisions/0015-cross-vocabulary-drafting.md
+    cross_vocab: Literal["string", "intersection"] = Field(
+        "string",
+        description="a draft model of another vocabulary: string (its text, tokenized by the target and verified as"
+        " fixed drafts) or intersection (sampled from the tokens both vocabularies share, verified with its q)",
+    )
     # Choices follow measured timings, so temperature-0 text can differ at a near-tie between runs; seeded sampled
     # requests keep a fixed k unless they ask for adaptive k. See docs/decisions/0001-default-draft-lengths.md
     adaptive_k: bool = Field(

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tandem import PROTOCOL_VERSION
+from tandem.cross_vocab import VocabularyText
 from tandem.errors import InvalidArgument
 from tandem.grammar import Constraint
 from tandem.ngram import LookupRule
@@ -128,3 +129,32 @@ def info_pb(engine: Engine, drafter: str = "", active_sessions: int = 0, kv_toke
     if engine.bos_id is not None:
         msg.bos_token_id = engine.bos_id
     return msg
+
+
+def vocabulary_to_pb(vocabulary: VocabularyText) -> pb.Vocabulary:
+    msg = pb.Vocabulary(
+        fingerprint=vocabulary.fingerprint,
+        pieces=list(vocabulary.pieces),
+        markup=vocabulary.markup,
+        byte_tokens=sorted(vocabulary.byte_tokens),
+    )
+    if vocabulary.bos_id is not None:
+        msg.bos_token_id = vocabulary.bos_id
+    return msg
+
+
+def vocabulary_from_pb(msg: pb.Vocabulary) -> VocabularyText:
+    """A vocabulary from the wire, checked (its ids index its own pieces)."""
+    n = len(msg.pieces)
+    if not msg.fingerprint or n == 0:
+        raise InvalidArgument("a vocabulary needs a fingerprint and its pieces")
+    ids = [*msg.markup, *msg.byte_tokens, *([msg.bos_token_id] if msg.HasField("bos_token_id") else [])]
+    if any(not 0 <= t < n for t in ids):
+        raise InvalidArgument(f"vocabulary token ids must lie in 0..{n - 1}")
+    return VocabularyText(
+        msg.fingerprint,
+        list(msg.pieces),
+        dict(msg.markup),
+        frozenset(msg.byte_tokens),
+        msg.bos_token_id if msg.HasField("bos_token_id") else None,
+    )

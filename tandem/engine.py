@@ -272,6 +272,19 @@ class Engine:
     def is_eog(self, token: int) -> bool:
         return token in self._eog
 
+    def vocabulary_markup(self) -> tuple[dict[int, bytes], list[int]]:
+        """Control tokens' markup (their piece is empty; a prompt spells them so) and the byte-fallback tokens: what
+        a draft of another vocabulary needs besides the pieces (tandem.cross_vocab)."""
+        markup: dict[int, bytes] = {}
+        byte_tokens: list[int] = []
+        for token in range(self.n_vocab):
+            attr = llama_cpp.llama_vocab_get_attr(self._vocab, token)
+            if attr & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL:
+                markup[token] = self._piece(token, special=True)
+            if attr & llama_cpp.LLAMA_TOKEN_ATTR_BYTE:
+                byte_tokens.append(token)
+        return markup, byte_tokens
+
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         data = text.encode("utf-8")
         cap = len(data) + 16

@@ -47,3 +47,10 @@ class ContextOverflow(ResourceExhausted):
 
 class EngineFailure(TandemError):
     code = grpc.StatusCode.INTERNAL
+
+
+class PromptTooLong(TandemError):
+    """A draft of another vocabulary cannot hold this prompt (its context is shorter than the target's): the caller
+    decodes target-only. OUT_OF_RANGE, so that it is told apart from a full service."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE

@@ -8,7 +8,9 @@ Two implementations:
 Both are deterministic for greedy requests (no distributions sent). The model drafter samples sampled requests
 from a truncated copy of its warped distribution and sends that distribution, so the target can verify losslessly.
 For a constrained request (OpenItem.constraint) the model drafter masks its rows with the same grammar first, as the
-target does: its drafts stay inside the grammar and q is the masked-then-warped distribution the rule expects.
+target does: its drafts stay inside the grammar and q is the masked-then-warped distribution the rule expects. A text
+session drafting in the tokens it shares with a target of another vocabulary (services.draft.text_sessions) masks its
+rows to those tokens the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.draft.text_sessions import TextState
 from tandem import sampling
 from tandem.engine import DecodeItem, Engine
 from tandem.grammar import Constraint, GrammarState, tokenizer_for
@@ -238,6 +241,7 @@ class ModelDrafter(Drafter):
         tokens: list[list[int]] = [[] for _ in work]
         dists: list[list[SparseDist]] = [[] for _ in work]
         grammars = {i: self._grammar(work[i][0]) for i in active}
+        shared = {i: work[i][0].extra.shared for i in active if isinstance(work[i][0].extra, TextState)}
         while active:
             items, still = [], []
             for i in active:
@@ -246,8 +250,10 @@ class ModelDrafter(Drafter):
                 row, grammar = rows[i], grammars[i]
                 if grammar is not None:  # masked first, as the target does
                     row = grammar.mask(row)
-                    if not np.isfinite(row).any():
-                        continue
+                if shared.get(i) is not None:  # token-level intersection: only tokens the target spells alike
+                    row = shared[i].restrict(row)
+                if (grammar is not None or shared.get(i) is not None) and not np.isfinite(row).any():
+                    continue  # nothing allowed: the proposal ends here
                 if params.greedy:
                     token = int(row.argmax())
                 else:

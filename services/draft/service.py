@@ -2,16 +2,20 @@
 
 Propose is keyed by position: the caller names the sequence length it believes the draft has and appends what
 the target committed since. A stale position is FAILED_PRECONDITION; an exact retry returns the previous answer.
+A text session (a target of another vocabulary: services.draft.text_sessions) counts its position in bytes of text.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from services.draft.drafters import Draft, Drafter, ModelDrafter
-from tandem.errors import InvalidArgument, SessionNotFound
+from services.draft.text_sessions import TextPrompt, TextProposal, TextSessions, TextState
+from tandem.cross_vocab import VocabularyText
+from tandem.errors import InvalidArgument, PositionMismatch, SessionNotFound
 from tandem.grammar import Constraint
 from tandem.sampling import SamplingParams
 from tandem.scheduler import plan_step, step_results
@@ -20,8 +24,12 @@ from tandem.sessions import Session, SessionStore, make_rng
 DRAFT_RNG_SALT = 1  # the draft's random stream must differ from the target's for the same seed
 
 
-# (session id, prompt, sampling, constraint or None); the constraint may be left out
-OpenSpec = tuple[str, Sequence[int], SamplingParams] | tuple[str, Sequence[int], SamplingParams, Constraint | None]
+# (session id, prompt, sampling, constraint or None, text prompt or None); the last two may be left out
+OpenSpec = (
+    tuple[str, Sequence[int], SamplingParams]
+    | tuple[str, Sequence[int], SamplingParams, Constraint | None]
+    | tuple[str, Sequence[int], SamplingParams, Constraint | None, TextPrompt | None]
+)
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,7 @@ class ProposeSpec:
     append: Sequence[int]
     max_tokens: int
     rewind: bool = False  # position may be behind the session: drop the tentative tokens past it first
+    append_text: bytes = b""  # a text session's committed text since `position` (bytes)
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,17 @@ class ProposeResult:
     session_id: str
     position: int
     draft: Draft
+    text: TextProposal | None = None  # a text session's proposal
+    translate_ns: int = 0  # time spent re-tokenizing text and spelling the proposal
+
+
+def is_text(session: Session) -> bool:
+    return isinstance(session.extra, TextState)
+
+
+def position_of(session: Session) -> int:
+    """Where the caller sees the session: tokens, or bytes of text for a text session."""
+    return len(session.extra.text) if is_text(session) else session.position
 
 
 class DraftService:
@@ -55,6 +75,16 @@ class DraftService:
         self.n_vocab = n_vocab
         self.n_ctx = n_ctx
         self.prefix_cache = prefix_cache and isinstance(drafter, ModelDrafter)
+        #: Text sessions, for a target of another vocabulary (a model drafter only).
+        self.texts = (
+            TextSessions(drafter.engine, n_ctx or drafter.engine.n_ctx) if isinstance(drafter, ModelDrafter) else None
+        )
+
+    def put_vocabulary(self, target: VocabularyText) -> int:
+        """Keep a target's vocabulary for token-level intersection; returns how many tokens the two share."""
+        if self.texts is None:
+            raise InvalidArgument("the n-gram drafter drafts in the target's own tokens: it needs no vocabulary")
+        return self.texts.learn_vocabulary(target)
 
     def _check_tokens(self, tokens: Sequence[int]) -> None:
         if self.n_vocab is None:
@@ -74,20 +104,27 @@ class DraftService:
                 return stop.value
 
     def open_steps(self, items: Sequence[OpenSpec]) -> Generator[None, None, list[tuple[str, int]]]:
-        items = [(*item, None) if len(item) == 3 else item for item in items]
+        items = [(*item, *(None,) * (5 - len(item))) for item in items]
         fresh = []
         answered: dict[str, int] = {}
-        for sid, prompt, _, _ in items:
+        texts: dict[str, TextState] = {}
+        for i, (sid, prompt, params, constraint, text) in enumerate(items):
+            if text is not None:
+                if self.texts is None:
+                    raise InvalidArgument("prompt_text needs a model drafter (--drafter model)")
+                prompt, texts[sid] = self.texts.open(text)
+                items[i] = (sid, prompt, params, constraint, text)
             self._check_tokens(prompt)
             if self.n_ctx is not None and len(prompt) >= self.n_ctx:
                 raise InvalidArgument(f"prompt of {len(prompt)} tokens does not fit the context size {self.n_ctx}")
             existing = self.store.find(sid)
             if existing is not None and existing.prompt == tuple(prompt) and existing.last_call is None:
-                answered[sid] = existing.position  # retried Open before any Propose
+                answered[sid] = position_of(existing)  # retried Open before any Propose
         try:
-            for sid, prompt, params, constraint in items:
+            for sid, prompt, params, constraint, _ in items:
                 if sid not in answered:
                     session = self.store.create(sid, prompt, params, make_rng(params.seed, DRAFT_RNG_SALT), -1)
+                    session.extra = texts.get(sid)
                     if constraint is not None:
                         self.drafter.constrain(session, constraint)
                     fresh.append(session)
@@ -100,13 +137,20 @@ class DraftService:
                 self.store.close(s.session_id)
             self.reclaim()
             raise
-        return [(sid, self.store.get(sid).position) for sid, _, _, _ in items]
+        return [(sid, position_of(self.store.get(sid))) for sid, *_ in items]
 
     def propose_groups(self, groups: Sequence[Sequence[ProposeSpec]]) -> list[Any]:
         """Proposals for many calls in one engine step; each call is validated whole and fails alone."""
         outcomes, work = plan_step(groups, self._check_group)
         asks = []
+        spent: dict[str, int] = {}  # text sessions: time spent translating
         for _, (session, spec, _) in work:
+            if is_text(session):
+                t0 = time.perf_counter_ns()
+                self.texts.learn(session, spec.append_text)
+                spent[spec.session_id] = time.perf_counter_ns() - t0
+                asks.append((session, min(spec.max_tokens, self.texts.room(session))))
+                continue
             if spec.rewind and spec.position < session.position:
                 self.store.rollback([(spec.session_id, spec.position)])
                 self.drafter.truncated(session)
@@ -117,8 +161,16 @@ class DraftService:
             room = spec.max_tokens if self.n_ctx is None else min(spec.max_tokens, self.n_ctx - session.position - 1)
             asks.append((session, max(room, 0)))
         drafts = self.drafter.propose_many(asks)
-        for (g, (session, spec, key)), draft in zip(work, drafts, strict=True):
-            result = ProposeResult(spec.session_id, session.position, draft)
+        for (g, (session, spec, key)), draft, (_, asked) in zip(work, drafts, asks, strict=True):
+            if is_text(session):
+                t0 = time.perf_counter_ns()
+                full = spec.max_tokens > 0 and asked == 0
+                text = self.texts.proposal(session, draft.tokens, draft.dists, full)
+                translate_ns = spent[spec.session_id] + time.perf_counter_ns() - t0
+                shared = Draft(text.token_ids, text.dists)
+                result = ProposeResult(spec.session_id, position_of(session), shared, text, translate_ns)
+            else:
+                result = ProposeResult(spec.session_id, session.position, draft)
             session.last_call = (key, result)
             outcomes[g][spec.session_id] = result
         return step_results(groups, outcomes)
@@ -129,6 +181,15 @@ class DraftService:
         checked = []
         for spec in specs:
             session = self.store.get(spec.session_id)
+            if is_text(session):
+                checked.append(
+                    (spec.session_id, self._check_text(session, spec), (session, spec, self._text_key(spec)))
+                )
+                continue
+            if spec.append_text:
+                raise InvalidArgument(
+                    f"session {spec.session_id} was opened with tokens: append_text needs prompt_text"
+                )
             key = ("propose", spec.position, tuple(spec.append), spec.max_tokens, spec.rewind)
             if spec.rewind and len(session.prompt) <= spec.position < session.position:
                 hit = session.last_call[1] if session.last_call and session.last_call[0] == key else None
@@ -141,6 +202,23 @@ class DraftService:
             raise InvalidArgument("a session appears twice in one Propose call")
         return checked
 
+    @staticmethod
+    def _text_key(spec: ProposeSpec) -> tuple:
+        return ("propose-text", spec.position, bytes(spec.append_text), spec.max_tokens)
+
+    def _check_text(self, session: Session, spec: ProposeSpec) -> ProposeResult | None:
+        """A text session's Propose: keyed by byte position; an exact retry gets the last answer."""
+        if spec.rewind or spec.append:
+            raise InvalidArgument(f"session {spec.session_id} was opened with text: send append_text, no rewind")
+        if session.last_call is not None and session.last_call[0] == self._text_key(spec):
+            return session.last_call[1]
+        if spec.position != len(session.extra.text):
+            raise PositionMismatch(
+                f"session {spec.session_id} holds {len(session.extra.text)} bytes of text, the call assumed "
+                f"{spec.position}"
+            )
+        return None
+
     def propose(self, specs: Sequence[ProposeSpec]) -> list[ProposeResult]:
         """One call's proposals on their own (tests and tools); the service batches calls with propose_groups."""
         (outcome,) = self.propose_groups([specs])
@@ -149,6 +227,8 @@ class DraftService:
         return outcome
 
     def rollback(self, items: Sequence[tuple[str, int]]) -> None:
+        if any(is_text(self.store.get(sid)) for sid, _ in items):
+            raise InvalidArgument("a text session cannot be rolled back")
         for session in self.store.rollback(items):
             self.drafter.truncated(session)
 

@@ -259,6 +259,12 @@ class SamplingFields(BaseModel):
         description="extension: a model draft drafts the next round while the target verifies this one (default: the"
         " server's --overlap-draft)",
     )
+    speculative_cross_vocab: Literal["string", "intersection"] | None = Field(
+        None,
+        alias="speculative.cross_vocab",
+        description="extension: how a draft of another vocabulary drafts: string (its text, verified as fixed drafts)"
+        " or intersection (sampled from the tokens both vocabularies share; default: the server's --cross-vocab)",
+    )
     response_format: ResponseFormat | None = None
     timings_detail: bool = Field(
         False, description="extension: add tandem's split of round time and its round counters to `timings`"

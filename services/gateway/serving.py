@@ -118,6 +118,7 @@ class Serving:
             top_logprobs=top_logprobs,
             adaptive=self._adaptive(req),
             overlap=req.speculative_overlap,
+            cross_vocab=req.speculative_cross_vocab,
             ngram_min=ngram_min,
             constraint=constraint,
         )

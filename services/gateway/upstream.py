@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -73,7 +73,7 @@ class ChannelSecurity:
 
 
 class IncompatibleDraft(RuntimeError):
-    """The draft's vocabulary differs from the target's: its token ids would mean other text."""
+    """The draft's vocabulary differs from the target's and one of the two cannot translate between them."""
 
 
 class IncompatibleService(RuntimeError):
@@ -91,17 +91,33 @@ def check_protocol(info: pb.InfoResponse, role: str) -> None:
         )
 
 
+def cross_vocabulary(target: pb.InfoResponse, draft: pb.InfoResponse) -> bool:
+    """Whether the draft is a model of another vocabulary than the target's (model-free drafters use the target's)."""
+    return draft.drafter != "ngram" and draft.vocab_fingerprint != target.vocab_fingerprint
+
+
 def check_compatible(target: pb.InfoResponse, draft: pb.InfoResponse) -> None:
-    """Refuse a draft whose token ids mean something else than the target's (model-free drafters always fit)."""
+    """Refuse a pair that cannot work: another protocol revision, or vocabularies that differ where a service cannot
+    translate between them. A draft of another vocabulary is otherwise served by cross-vocabulary drafting (the
+    fingerprints decide the path, not whether to serve: docs/decisions/0015)."""
     check_protocol(target, "target")
     check_protocol(draft, "draft")
-    if draft.drafter == "ngram":
+    if not cross_vocabulary(target, draft):
         return
-    if draft.vocab_fingerprint != target.vocab_fingerprint:
+    missing = [
+        what
+        for what, able in (
+            (f"the target {target.model_name!r} does not translate draft text", target.capabilities.translates_text),
+            (f"the draft {draft.model_name!r} does not draft in text", draft.capabilities.drafts_text),
+        )
+        if not able
+    ]
+    if missing:
         raise IncompatibleDraft(
             f"draft model {draft.model_name!r} (vocab {draft.vocab_size}, fingerprint {draft.vocab_fingerprint[:12]}) "
             f"does not share the target {target.model_name!r}'s vocabulary (vocab {target.vocab_size}, fingerprint "
-            f"{target.vocab_fingerprint[:12]}): pick a draft from the same model family, or use --drafter ngram"
+            f"{target.vocab_fingerprint[:12]}), and {' and '.join(missing)}: pick a draft from the same model family,"
+            " or use --drafter ngram"
         )
 
 
@@ -136,6 +152,8 @@ class Upstreams:
     target_health: health_pb2_grpc.HealthStub | None = None
     draft_health: health_pb2_grpc.HealthStub | None = None
     stream_metadata: tuple[tuple[str, str], ...] = ()  # the shared token, for streams (interceptors miss them)
+    #: The target's vocabulary as text, for a draft of another vocabulary (fetched once: see speculation.cross_vocab).
+    vocabularies: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         md = self.stream_metadata or None
@@ -144,6 +162,11 @@ class Upstreams:
         if self.draft is not None:
             self.propose = StreamMux(lambda: self.draft.ProposeStream(metadata=md), "draft")
             self.draft_health = health_pb2_grpc.HealthStub(self.channels[1])
+
+    @property
+    def draft_cross_vocabulary(self) -> bool:
+        """The draft is a model of another vocabulary: rounds go through text (speculation.cross_vocab)."""
+        return self.draft_info is not None and cross_vocabulary(self.target_info, self.draft_info)
 
     @property
     def draft_is_ngram(self) -> bool:

@@ -30,7 +30,9 @@ from tandem.convert import (
     lookup_rule_from_pb,
     sampling_from_pb,
     serving_stats,
+    vocabulary_to_pb,
 )
+from tandem.cross_vocab import DraftTranslator, VocabularyText
 from tandem.errors import InvalidArgument, TandemError
 from tandem.grpc_server import ServiceLoading, stream_replies
 from tandem.ngram import LookupRule
@@ -142,6 +144,10 @@ class TargetServicer(pb_grpc.TargetServicer):
         #: Whether a Verify carrying a bonus guess may run inline. Such a call means the draft is drafting ahead
         #: meanwhile; in one process (co-located) that draft must not wait behind a target step on the event loop.
         self.inline_guessed = True
+        #: Cross-vocabulary drafting: the vocabulary as text and the draft-text translator, each built once (off the
+        #: event loop: a pass over every token).
+        self._vocabulary: asyncio.Future | None = None
+        self._translator: asyncio.Future | None = None
 
     def attach(
         self, verifier: Verifier, max_batch: int = 64, batch_wait_ms: float = 20.0, inline_steps: bool = False
@@ -192,7 +198,39 @@ class TargetServicer(pb_grpc.TargetServicer):
         msg.capabilities.prompt_lookup = True
         msg.capabilities.continues_rounds = True
         msg.capabilities.constraints = True
+        msg.capabilities.translates_text = True
         return msg
+
+    async def GetVocabulary(self, request: pb.VocabularyRequest, context: grpc.aio.ServicerContext) -> pb.Vocabulary:
+        v = self._ready()
+        if self._vocabulary is None:
+            self._vocabulary = asyncio.ensure_future(
+                asyncio.to_thread(lambda: vocabulary_to_pb(VocabularyText.of_engine(v.engine)))
+            )
+        vocabulary = await asyncio.shield(self._vocabulary)
+        await self.translator()  # a gateway asks for the vocabulary before its first cross-vocabulary request
+        return vocabulary
+
+    async def translator(self) -> DraftTranslator:
+        v = self._ready()
+        if self._translator is None:
+            self._translator = asyncio.ensure_future(asyncio.to_thread(DraftTranslator, v.engine))
+        return await asyncio.shield(self._translator)
+
+    async def _translate(self, items) -> tuple[list[list[int]], int]:
+        """Each item's draft tokens: its draft_token_ids, or its draft_text in this vocabulary; and the time taken."""
+        drafts = [list(item.draft_token_ids) for item in items]
+        if not any(item.HasField("draft_text") for item in items):
+            return drafts, 0
+        translator = await self.translator()
+        t0 = time.perf_counter_ns()
+        for i, item in enumerate(items):
+            if item.HasField("draft_text"):
+                if item.draft_token_ids or item.draft_distributions:
+                    raise InvalidArgument("draft_text replaces draft_token_ids and draft_distributions")
+                limit = item.draft_text.max_tokens or translator.engine.n_ctx
+                drafts[i] = translator.tokens(item.draft_text.text, limit)
+        return drafts, time.perf_counter_ns() - t0
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         v = self._ready()
@@ -226,11 +264,12 @@ class TargetServicer(pb_grpc.TargetServicer):
     async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.VerifyResponse:
         v = self._ready()
         t0, f0 = time.perf_counter_ns(), v.engine.forward_ns
+        drafts, translate_ns = await self._translate(request.items)
         specs = [
             VerifySpec(
                 item.session_id,
                 item.position,
-                list(item.draft_token_ids),
+                draft,
                 [dist_from_pb(d, v.engine.n_vocab) for d in item.draft_distributions]
                 if item.draft_distributions
                 else None,
@@ -238,7 +277,7 @@ class TargetServicer(pb_grpc.TargetServicer):
                 # A round that goes on (drafts and a Continuation) ends at a repeat; it is never skipped for one.
                 stop_at_repeat=0 if _continues(item) else item.continuation.stop_at_repeat,
             )
-            for item in request.items
+            for item, draft in zip(request.items, drafts, strict=True)
         ]
         steps = [max(item.continuation.plain_steps, 1) for item in request.items]
         lookups = [_lookup_rule(item) for item in request.items]
@@ -259,6 +298,7 @@ class TargetServicer(pb_grpc.TargetServicer):
             timing = self._timing(t0, f0, results[0].step if results else None)
             timing.steps = 1
         timing.mask_ns = max(v.grammar_ns([spec.session_id for spec in specs]) - masks0, 0)
+        timing.translate_ns = translate_ns
         return pb.VerifyResponse(
             results=[
                 pb.VerifyResult(
@@ -266,6 +306,7 @@ class TargetServicer(pb_grpc.TargetServicer):
                     num_accepted=r.num_accepted,
                     tokens=[token_to_pb(t) for t in r.tokens],
                     position=r.position,
+                    drafted=len(spec.draft_tokens),
                     lookup_rounds=[
                         pb.LookupRound(
                             offset=lr.offset,
@@ -279,7 +320,7 @@ class TargetServicer(pb_grpc.TargetServicer):
                         for lr in r.lookup_rounds
                     ],
                 )
-                for r in results
+                for r, spec in zip(results, specs, strict=True)
             ],
             timing=timing,
         )

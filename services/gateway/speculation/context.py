@@ -160,9 +160,11 @@ class Context:
         steps: int = 1,
         stop_at_repeat: int = 0,
         lookup: pb.LookupRule | None = None,
+        draft_text: pb.DraftText | None = None,
     ) -> tuple[pb.VerifyResult, pb.Timing]:
-        """One Verify of `drafts` at `position` (default: where the target is); with `steps` > 1, `stop_at_repeat` or
-        `lookup`, a Continuation. `timed`: its wall time counts as verify time (pipelined calls account their own)."""
+        """One Verify of `drafts` (or of a draft of another vocabulary, `draft_text`) at `position` (default: where the
+        target is); with `steps` > 1, `stop_at_repeat` or `lookup`, a Continuation. `timed`: its wall time counts as
+        verify time (pipelined calls account their own)."""
         v0 = time.perf_counter_ns()
         span = self.child("verify", round_span)
         item = pb.VerifyItem(
@@ -173,6 +175,8 @@ class Context:
         )
         if guess is not None:
             item.bonus_guess = guess
+        if draft_text is not None:
+            item.draft_text.CopyFrom(draft_text)
         if steps > 1 or stop_at_repeat or lookup is not None:
             item.continuation.plain_steps = steps if steps > 1 else 0
             item.continuation.stop_at_repeat = stop_at_repeat
@@ -218,10 +222,11 @@ class Context:
         return result
 
     async def propose(
-        self, tentative: list[int], max_tokens: int, span_parent: trace.Span
+        self, tentative: list[int], max_tokens: int, span_parent: trace.Span, append_text: bytes | None = None
     ) -> pb.ProposeResponse | None:
-        """One Propose: append what the draft has not seen (plus `tentative` drafts, when drafting ahead) and ask for
-        max_tokens more. Updates the draft position; a failure switches the request to target-only (None)."""
+        """One Propose: append what the draft has not seen (plus `tentative` drafts, when drafting ahead; or, to a draft
+        of another vocabulary, `append_text`: their text) and ask for max_tokens more. Updates the draft position; a
+        failure switches the request to target-only (None)."""
         if self.draft_opening is not None and not await self.draft_opened():
             return None
         d0 = time.perf_counter_ns()
@@ -230,9 +235,10 @@ class Context:
         item = pb.ProposeItem(
             session_id=self.session_id,
             position=self.pos.rewind_to if rewind else self.pos.draft,
-            append_token_ids=[*self.pos.unsent, *tentative],
+            append_token_ids=[*self.pos.unsent, *tentative] if append_text is None else [],
             max_tokens=max_tokens,
             rewind=rewind,
+            append_text=append_text or b"",
         )
         self.stats.propose_calls += 1
         self.last_propose_ns = time.perf_counter_ns()

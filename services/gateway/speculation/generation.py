@@ -24,6 +24,7 @@ from contextlib import aclosing
 from services.gateway.adaptive import CostModel
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.speculation.context import Context
+from services.gateway.speculation.cross_vocab import CrossVocabDraft
 from services.gateway.speculation.local_lookup import LocalLookup
 from services.gateway.speculation.model_draft import ModelDraft
 from services.gateway.speculation.ngram_service import NgramService
@@ -36,7 +37,7 @@ from tandem.v1 import tandem_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-Strategy = TargetOnly | ModelDraft | NgramService | LocalLookup
+Strategy = TargetOnly | ModelDraft | NgramService | LocalLookup | CrossVocabDraft
 
 
 def choose_strategy(ctx: Context) -> Strategy:
@@ -47,6 +48,8 @@ def choose_strategy(ctx: Context) -> Strategy:
         return LocalLookup(ctx)
     if ctx.up.draft_is_ngram:
         return NgramService(ctx)
+    if ctx.up.draft_cross_vocabulary:
+        return CrossVocabDraft(ctx)
     return ModelDraft(ctx)
 
 
@@ -165,6 +168,13 @@ class Generation:
             target_call = ctx.up.target.Open(pb.OpenRequest(items=[item]), timeout=timeout, metadata=metadata)
             if not ctx.drafting or self.options.local_ngram:
                 return (await target_call).results[0]
+            if isinstance(self.strategy, CrossVocabDraft):  # the draft is opened with the prompt as text
+                ctx.draft_opening = asyncio.ensure_future(self.strategy.open_draft(sampling, timeout, metadata))
+                try:
+                    return (await target_call).results[0]
+                except BaseException:
+                    await ctx.draft_opened()
+                    raise
             draft_item = pb.OpenItem(
                 session_id=ctx.session_id, prompt_token_ids=self.req.prompt_token_ids, sampling=sampling
             )

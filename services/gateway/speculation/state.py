@@ -26,6 +26,7 @@ class GenerationRequest:
     adaptive: bool = True  # choose k per round in [n_min, n_max] from measured costs and acceptance
     overlap: bool | None = None  # the request's own choice of GenerationOptions.overlap (None: the server's)
     ngram_min: int = NGRAM_MIN  # the gateway's own lookup drafts behind suffix matches at least this long
+    cross_vocab: str | None = None  # a draft of another vocabulary: "string" or "intersection" (None: the server's)
     constraint: Constraint | None = None  # what the output must match (the target masks with it)
 
 
@@ -43,6 +44,7 @@ class GenerationOptions:
     target_lookup: bool = True  # let the target run the gateway's lookup rule inside target-only calls
     continue_rounds: bool = True  # an n-gram service's round may go on as target-only decoding in the same call
     draft_max_running: int = 0  # beyond this many running generations a starting request decodes target-only
+    cross_vocab: str = "string"  # how a draft of another vocabulary drafts (speculation.cross_vocab)
 
     @classmethod
     def from_settings(cls, settings) -> GenerationOptions:
@@ -57,6 +59,7 @@ class GenerationOptions:
             target_lookup=settings.target_lookup,
             continue_rounds=settings.continue_rounds,
             draft_max_running=settings.draft_max_running,
+            cross_vocab=settings.cross_vocab,
         )
 
 
@@ -114,11 +117,14 @@ class GenerationStats:
     verify_mask_ns: int = 0  # time the target spent on the grammar (constrained output), beside its forward passes
     draft_service_ns: int = 0  # wall time of Propose calls inside the draft service (the rest of draft_ns is gRPC)
     verify_service_ns: int = 0  # wall time of Verify calls inside the target service
-    speculation: str = "off"  # off | on | degraded (draft failed mid-request) | stopped (drafting cannot pay here)
+    # off | on | degraded (draft failed mid-request) | stopped (drafting cannot pay here) | draft_context (the text
+    # does not fit a draft of another vocabulary: target-only)
+    speculation: str = "off"
     load_shed: bool = False  # started on a busy server (--draft-max-running): decoded target-only
     synthetic_acceptance: str = ""  # benchmark targets only: acceptance is imposed, the text is not valid
     k_chosen: int = 0  # sum of the draft lengths asked for, over rounds (adaptive k)
     k_rounds: int = 0
+    translate_ns: int = 0  # a draft of another vocabulary: time both services spent translating text
 
     def observe_round(self, proposed: int, accepted: int) -> None:
         self.rounds += 1
@@ -179,6 +185,7 @@ class GenerationStats:
             "draft_compute_ms": round(self.draft_forward_ns / 1e6, 3),
             "verify_compute_ms": round(self.verify_forward_ns / 1e6, 3),
             "verify_mask_ms": round(self.verify_mask_ns / 1e6, 3),
+            "translate_ms": round(self.translate_ns / 1e6, 3),
             "draft_rpc_ms": round(self.draft_ns / 1e6, 3),
             "verify_rpc_ms": round(self.verify_ns / 1e6, 3),
             "draft_service_ms": round(self.draft_service_ns / 1e6, 3),
