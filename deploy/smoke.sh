@@ -8,9 +8,9 @@
 #      the mirror apt uses (see DEBIAN_MIRROR)
 #   3. the CPU model image and the gateway image, through deploy/build-images.sh (host network, host CA bundle)
 #   4. compose.yaml's cpu profile up with deploy/compose.host.yaml (every service on 127.0.0.1), waited until healthy
-#   5. checks: health, non-root, read-only root filesystem, /health, /v1/models, a chat completion and a streamed one
-#      through the OpenAI SDK against 127.0.0.1
-#   6. teardown: compose down (always, also on failure, after printing the services' logs)
+#   5. checks: fetch-models done, health, non-root, read-only root filesystem, /health, /v1/models, a chat completion
+#      and a streamed one through the OpenAI SDK against 127.0.0.1
+#   6. teardown: compose down, with the project's `models` volume (always, also on failure, after printing the logs)
 #
 # Needs root (dockerd, debootstrap), and installs Debian's docker.io and debootstrap when missing. About 10 minutes on
 # 2 cores the first time (llama-cpp-python compiles inside the build); later runs reuse the base image and the build
@@ -107,7 +107,7 @@ cleanup() {
             compose logs --no-color --tail 200
         fi
         step "teardown: compose down"
-        compose down --remove-orphans --timeout 30
+        compose down --remove-orphans --volumes --timeout 30
     fi
     if [ -n "$dockerd_pid" ] && [ "${SMOKE_KEEP_DOCKERD:-0}" != 1 ]; then
         step "stopping the dockerd started here (pid $dockerd_pid)"
@@ -203,6 +203,10 @@ compose up -d --wait --wait-timeout 600
 compose ps
 
 # --- 5. checks -------------------------------------------------------------------------------------------------------
+step "fetch-models: the one-shot service ran and exited 0 (no hf:// model here: nothing to download)"
+fetch_state="$("$DOCKER" inspect --format '{{.State.Status}} {{.State.ExitCode}}' "$(compose ps -a -q fetch-models)")"
+[ "$fetch_state" = "exited 0" ] || fail "fetch-models is '$fetch_state'"
+
 step "containers: healthy, non-root, read-only root filesystem"
 for service in target-cpu draft-cpu gateway; do
     id="$(compose ps -q "$service")"

@@ -82,7 +82,7 @@ def compose_env() -> dict[str, str]:
     """The environment without the variables compose.yaml reads, so that the defaults are what is checked."""
     names = re.findall(r"\$\{([A-Z_][A-Z0-9_]*)", (ROOT / "compose.yaml").read_text())
     names += re.findall(r"\$\{([A-Z_][A-Z0-9_]*)", (DEPLOY / "compose.host.yaml").read_text())
-    env = {k: v for k, v in os.environ.items() if k not in names and not k.startswith("COMPOSE_")}
+    env = {k: v for k, v in os.environ.items() if k not in names and not k.startswith(("COMPOSE_", "HF_"))}
     env["DOCKER_HOST"] = "unix:///nonexistent.sock"  # config never needs an engine: prove it
     return env
 
@@ -140,8 +140,13 @@ def _check_hardened(service: dict) -> None:
     assert service["restart"] == "unless-stopped"
     assert service["read_only"] is True
     assert service["cap_drop"] == ["ALL"]
-    [volume] = service["volumes"]
-    assert (volume["target"], volume["read_only"]) == ("/models", True)
+    volumes = {v["target"]: v for v in service["volumes"]}
+    assert set(volumes) == {"/models", "/hub"} and all(v["read_only"] for v in volumes.values())
+    # models by Hub reference: fetch-models has downloaded and checked them into the named volume; read offline
+    assert (volumes["/hub"]["type"], volumes["/hub"]["source"]) == ("volume", "models")
+    env = service["environment"]
+    assert (env["HF_HOME"], env["HF_HUB_OFFLINE"]) == ("/hub", "1")
+    assert service["depends_on"]["fetch-models"]["condition"] == "service_completed_successfully"
 
 
 def _check_devices(service: dict, kind: str, nvidia: bool, amd: bool) -> None:
@@ -164,7 +169,7 @@ def test_compose_profile_layout(compose: Path, profile: str) -> None:
     config = compose_config(compose, profile, host=False)
     services = config["services"]
     target, draft, nvidia, amd = EXPECTED[profile]
-    assert set(services) == {"gateway", target, draft}
+    assert set(services) == {"fetch-models", "gateway", target, draft}
 
     gateway = services["gateway"]
     assert gateway["environment"]["TANDEM_GATEWAY_TARGET"] == "target:50051"
@@ -181,7 +186,7 @@ def test_compose_profile_layout(compose: Path, profile: str) -> None:
 def test_compose_mixed_profile_runs_the_target_in_the_gateway(compose: Path) -> None:
     services = compose_config(compose, "mixed", host=False)["services"]
     gateway_name, draft_name = MIXED
-    assert set(services) == {gateway_name, draft_name}
+    assert set(services) == {"fetch-models", gateway_name, draft_name}
     gateway = services[gateway_name]
     env = gateway["environment"]
     assert env["TANDEM_SERVICE"] == "gateway" and env["TANDEM_GATEWAY_COLOCATE_TARGET"] == "true"
@@ -214,6 +219,75 @@ def test_compose_model_paths_and_port_from_environment(compose: Path) -> None:
 
 
 @pytest.mark.parametrize("profile", PROFILES)
+def test_compose_fetch_models_runs_once_before_the_model_services(compose: Path, profile: str) -> None:
+    """A one-shot service downloads hf:// models into the named volume `models`; nothing depends on it but the
+    services that load a model, and an empty or path model is left to them (--hub-only)."""
+    config = compose_config(compose, profile, host=False)
+    assert set(config["volumes"]) == {"models"}  # a named volume: kept across restarts and `down`
+    services = config["services"]
+    fetch = services["fetch-models"]
+    assert fetch["image"] == "tandem-gateway:latest"  # built in every layout; carries tandem-fetch
+    assert fetch["entrypoint"] == ["/opt/venv/bin/tandem-fetch", "--hub-only"]
+    assert fetch["command"] == ["", ""]  # the defaults: the embedded model, nothing to fetch
+    assert fetch["restart"] == "no" and fetch["read_only"] is True and fetch["cap_drop"] == ["ALL"]
+    [volume] = fetch["volumes"]
+    assert (volume["type"], volume["source"], volume["target"]) == ("volume", "models", "/hub")
+    assert not volume.get("read_only")  # the only writer
+    assert fetch["environment"]["HF_HOME"] == "/hub"
+    assert "ports" not in fetch and "healthcheck" not in fetch
+    loaders = {name for name, s in services.items() if "fetch-models" in s.get("depends_on", {})}
+    assert loaders == {name for name, s in services.items() if s["environment"].get("HF_HOME") == "/hub"} - {
+        "fetch-models"
+    }
+    assert loaders == ({*MIXED} if profile == "mixed" else {*EXPECTED[profile][:2]})
+
+    env = compose_env() | {"TARGET_MODEL": "hf://org/big-GGUF/big.gguf@v1", "DRAFT_MODEL": "/models/small.gguf"}
+    fetch = compose_config(compose, profile, host=False, env=env)["services"]["fetch-models"]
+    assert fetch["command"] == ["hf://org/big-GGUF/big.gguf@v1", "/models/small.gguf"]
+    env |= {"HF_TOKEN": "hf_secret", "HF_ENDPOINT": "https://mirror.example"}  # passed through only when set
+    fetch = compose_config(compose, profile, host=False, env=env)["services"]["fetch-models"]
+    assert fetch["environment"]["HF_TOKEN"] == "hf_secret"
+    assert fetch["environment"]["HF_ENDPOINT"] == "https://mirror.example"
+
+
+def test_compose_fetch_models_fetches_what_the_target_then_reads_offline(compose: Path, tmp_path: Path) -> None:
+    """compose's rendered fetch-models command and environment, run for real against a local Hub (tests/test_hub.py),
+    then the target service's model setting resolved as the service does, from the same folder, offline."""
+    from test_hub import REF, LocalHub
+
+    from tandem.models import default_model_path
+
+    env = compose_env() | {"TARGET_MODEL": REF, "DRAFT_MODEL": "/models/small.gguf", "DRAFT_DRAFTER": "model"}
+    services = compose_config(compose, "cpu", host=False, env=env)["services"]
+    volume = tmp_path / "models-volume"  # the named volume, at /hub in the containers
+
+    def container_env(service: dict[str, Any], **extra: str) -> dict[str, str]:
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TANDEM_"))}
+        own = {k: str(volume) if v == "/hub" else v for k, v in service["environment"].items() if v is not None}
+        return base | own | {"HF_HUB_DISABLE_XET": "1", **extra}
+
+    hub = LocalHub()
+    hub.files[REF.removeprefix("hf://")] = default_model_path().read_bytes()
+    try:
+        fetch = services["fetch-models"]
+        [program, *flags] = fetch["entrypoint"]
+        assert program == "/opt/venv/bin/tandem-fetch"  # the console script of tandem.hub:main
+        cmd = [sys.executable, "-m", "tandem.hub", *flags, *fetch["command"]]
+        fetched = run(cmd, env=container_env(fetch, HF_ENDPOINT=hub.url))
+        assert fetched.returncode == 0, fetched.stderr
+        [path] = fetched.stdout.splitlines()  # the draft's /models path is left to the draft service
+        assert Path(path).is_relative_to(volume) and hub.gets == 1
+
+        code = "import os, tandem.models as m; print(m.resolve_model(os.environ['TANDEM_TARGET_MODEL']))"
+        target = container_env(services["target-cpu"], HF_ENDPOINT=hub.url)
+        served = run([sys.executable, "-c", code], env=target)
+        assert served.returncode == 0, served.stderr
+        assert served.stdout.strip() == path and hub.gets == 1  # HF_HUB_OFFLINE=1: not even asked
+    finally:
+        hub.server.shutdown()
+
+
+@pytest.mark.parametrize("profile", PROFILES)
 def test_compose_host_network_override(compose: Path, profile: str) -> None:
     env = compose_env() | {"TANDEM_PORT": "18000", "TARGET_PORT": "50151", "DRAFT_PORT": "50152"}
     config = compose_config(compose, profile, host=True, env=env)
@@ -222,7 +296,8 @@ def test_compose_host_network_override(compose: Path, profile: str) -> None:
         assert service["network_mode"] == "host", name
         assert "networks" not in service and "ports" not in service, name
         hosts = {v for k, v in service["environment"].items() if k.endswith("_HOST")}
-        assert hosts == {"127.0.0.1"}, (name, hosts)  # on the host's network: loopback only
+        # on the host's network: loopback only (fetch-models serves nothing: it only downloads)
+        assert hosts == (set() if name == "fetch-models" else {"127.0.0.1"}), (name, hosts)
     if profile == "mixed":
         gateway_name, draft = MIXED
         gateway = config["services"][gateway_name]["environment"]
