@@ -328,7 +328,7 @@ VALUES_FILES = ["default", *sorted(p.stem for p in (CHART / "examples").glob("*.
 
 
 def test_chart_has_the_examples() -> None:
-    assert {"single-node-cpu", "two-nodes"} <= set(VALUES_FILES)
+    assert {"single-node-cpu", "two-nodes", "target-in-gateway", "hub-models"} <= set(VALUES_FILES)
 
 
 @pytest.fixture(scope="module")
@@ -374,11 +374,12 @@ def test_chart_renders_hardened_workloads(rendered: dict[str, dict[str, str]], v
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         assert pod["automountServiceAccountToken"] is False
         [container] = pod["containers"]
-        security = container["securityContext"]
-        assert security["capabilities"]["drop"] == ["ALL"]
-        assert security["allowPrivilegeEscalation"] is False
-        assert security["readOnlyRootFilesystem"] is True
-        assert container["resources"]["requests"] and container["resources"]["limits"]
+        for each in (container, *pod.get("initContainers", [])):
+            security = each["securityContext"]
+            assert security["capabilities"]["drop"] == ["ALL"]
+            assert security["allowPrivilegeEscalation"] is False
+            assert security["readOnlyRootFilesystem"] is True
+            assert each["resources"]["requests"] and each["resources"]["limits"]
         assert container["readinessProbe"] and container["livenessProbe"], name
     for component, service_name, port in (("target", "tandem.v1.Target", 50051), ("draft", "tandem.v1.Draft", 50052)):
         if component not in models:
@@ -469,6 +470,83 @@ def test_chart_single_node_cpu_uses_a_model_pvc(rendered: dict[str, dict[str, st
     assert models["persistentVolumeClaim"] == {"claimName": "tandem-models", "readOnly": True}
     env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
     assert env["TANDEM_TARGET_MODEL"].startswith("/models/")
+
+
+HUB_TARGET = "hf://bartowski/Qwen2.5-7B-Instruct-GGUF/Qwen2.5-7B-Instruct-Q4_K_M.gguf"
+HUB_DRAFT = "hf://bartowski/Qwen2.5-0.5B-Instruct-GGUF/Qwen2.5-0.5B-Instruct-Q4_K_M.gguf"
+
+
+def init_containers(objs: dict[tuple[str, str], dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """{Deployment: its init containers}, for the Deployments that have any."""
+    pods = {name: o["spec"]["template"]["spec"] for (kind, name), o in objs.items() if kind == "Deployment"}
+    return {name: pod["initContainers"] for name, pod in pods.items() if pod.get("initContainers")}
+
+
+def _check_fetches(pod: dict[str, Any], model: str, prefix: str) -> None:
+    """The pod's init container fetches `model` into the PVC; its model container reads that cache offline."""
+    [init] = pod["initContainers"]
+    [container] = pod["containers"]
+    assert init["name"] == "fetch-model" and init["image"] == container["image"]  # the model image has tandem-fetch
+    assert (init["command"], init["args"]) == (["/opt/venv/bin/tandem-fetch"], [model])
+    assert {e["name"]: e.get("value") for e in init["env"]}["HF_HOME"] == "/models/huggingface"
+    assert {m["name"]: m for m in init["volumeMounts"]}["models"] == {"name": "models", "mountPath": "/models"}
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env[f"{prefix}MODEL"] == model
+    assert (env["HF_HOME"], env["HF_HUB_OFFLINE"]) == ("/models/huggingface", "1")
+    assert {m["name"]: m for m in container["volumeMounts"]}["models"]["readOnly"] is True
+    [models] = [v for v in pod["volumes"] if v["name"] == "models"]
+    assert models["persistentVolumeClaim"] == {"claimName": "tandem-models"}  # writable: the init container writes
+
+
+def test_chart_hub_models_are_fetched_by_init_containers(rendered: dict[str, dict[str, str]]) -> None:
+    objs = objects(rendered["hub-models"])
+    assert set(init_containers(objs)) == {"tandem-target", "tandem-draft"}  # the gateway loads nothing
+    _check_fetches(objs[("Deployment", "tandem-target")]["spec"]["template"]["spec"], HUB_TARGET, "TANDEM_TARGET_")
+    _check_fetches(objs[("Deployment", "tandem-draft")]["spec"]["template"]["spec"], HUB_DRAFT, "TANDEM_DRAFT_")
+    assert objs[("PersistentVolumeClaim", "tandem-models")]["spec"]["resources"]["requests"]["storage"] == "10Gi"
+    notes = rendered["hub-models"]["tandem/templates/NOTES.txt"]
+    assert "kubectl -n tandem logs deploy/tandem-target -c fetch-model -f" in notes
+
+
+@pytest.mark.parametrize("values", [v for v in VALUES_FILES if v != "hub-models"])
+def test_chart_has_no_init_container_without_a_hub_model(rendered: dict[str, dict[str, str]], values: str) -> None:
+    objs = objects(rendered[values])
+    assert init_containers(objs) == {}
+    for (kind, _), o in objs.items():
+        if kind == "Deployment":
+            for container in o["spec"]["template"]["spec"]["containers"]:
+                assert not any(e["name"].startswith("HF_") for e in container["env"])
+
+
+def test_chart_hub_model_variants(helm_check: ModuleType) -> None:
+    import helm_python as helm
+
+    # The n-gram drafter loads no model: no init container for a draft.model it ignores.
+    values = {"models": {"storage": "pvc"}, "target": {"model": HUB_TARGET}, "draft": {"model": HUB_DRAFT}}
+    assert set(init_containers(objects(helm_check.render(values)))) == {"tandem-target"}
+    # The target in the gateway's pod: that pod fetches it (hostPath: the node's folder), the draft pod does not.
+    values = {
+        "models": {
+            "storage": "hostPath",
+            "hub": {"endpoint": "https://mirror.example", "tokenSecret": {"name": "hf-token", "key": "token"}},
+        },
+        "target": {"inGateway": True, "model": HUB_TARGET + "@v2"},
+    }
+    objs = objects(helm_check.render(values))
+    assert set(init_containers(objs)) == {"tandem-gateway"}
+    pod = objs[("Deployment", "tandem-gateway")]["spec"]["template"]["spec"]
+    [init], [container] = pod["initContainers"], pod["containers"]
+    assert init["args"] == [HUB_TARGET + "@v2"] and init["image"] == container["image"] == "tandem-model:0.1.0-cpu"
+    env = {e["name"]: e for e in init["env"]}
+    assert env["HF_ENDPOINT"]["value"] == "https://mirror.example"
+    assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+    assert {e["name"]: e.get("value") for e in container["env"]}["HF_HUB_OFFLINE"] == "1"
+    assert "HF_TOKEN" not in {e["name"] for e in container["env"]}  # the token never reaches the serving container
+    # Nowhere to fetch into: a clear error at render time, and a mistyped hub setting is rejected by the schema.
+    with pytest.raises(helm.HelmError, match=r"target\.model is a Hub reference .*: set models\.storage to pvc"):
+        helm_check.render({"target": {"model": HUB_TARGET}})
+    problems = helm_check.lint({"models": {"storage": "pvc", "hub": {"endpoint": "mirror.example"}}})
+    assert any("/models/hub/endpoint" in p for p in problems), problems
 
 
 def test_chart_draft_disabled_means_target_only(helm_check: ModuleType) -> None:

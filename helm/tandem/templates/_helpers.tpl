@@ -53,6 +53,69 @@ app.kubernetes.io/component: {{ .component }}
 {{- with .Values.models.persistentVolumeClaim.existingClaim }}{{ . }}{{ else }}{{ include "tandem.fullname" . }}-models{{ end }}
 {{- end }}
 
+{{/*
+"true" when a component loads its model from a Hub reference (hf://...): the target always, the draft with
+drafter: model and enabled (the n-gram drafter loads nothing). Call with (dict "root" $ "component" "target").
+*/}}
+{{- define "tandem.fromHub" -}}
+{{- $v := index .root.Values .component -}}
+{{- $loads := or (eq .component "target") (and $v.enabled (eq $v.drafter "model")) -}}
+{{- if and $loads (hasPrefix "hf://" (toString $v.model)) -}}
+{{- if eq .root.Values.models.storage "none" }}
+{{- fail (printf "%s.model is a Hub reference (%s): set models.storage to pvc or hostPath, the volume it is fetched into" .component $v.model) }}
+{{- end -}}
+true
+{{- end -}}
+{{- end }}
+
+{{/* HF_HOME: the Hub cache on the models volume. */}}
+{{- define "tandem.hubHome" -}}
+{{- printf "%s/%s" (trimSuffix "/" .Values.models.mountPath) .Values.models.hub.home }}
+{{- end }}
+
+{{/*
+The init container of a pod that loads a model by Hub reference: tandem-fetch (in the model image) downloads it into
+the models volume, mounted read-write here only, and checks its size and SHA-256; a restart downloads nothing.
+Call with (dict "root" $ "component" "target").
+*/}}
+{{- define "tandem.fetchModel" -}}
+{{- $root := .root -}}
+{{- $v := index $root.Values .component -}}
+{{- $hub := $root.Values.models.hub -}}
+- name: fetch-model
+  image: {{ include "tandem.image" $v.image | quote }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  command:
+    - /opt/venv/bin/tandem-fetch
+  args:
+    - {{ $v.model | quote }}
+  securityContext:
+    {{- toYaml $root.Values.securityContext | nindent 4 }}
+  env:
+    - name: HF_HOME
+      value: {{ include "tandem.hubHome" $root | quote }}
+    {{- with $hub.endpoint }}
+    - name: HF_ENDPOINT
+      value: {{ . | quote }}
+    {{- end }}
+    {{- with $hub.tokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ . }}
+          key: {{ $hub.tokenSecret.key }}
+    {{- end }}
+    - name: XDG_CACHE_HOME
+      value: /tmp/.cache
+  resources:
+    {{- toYaml $hub.resources | nindent 4 }}
+  volumeMounts:
+    - name: tmp
+      mountPath: /tmp
+    - name: models
+      mountPath: {{ $root.Values.models.mountPath }}
+{{- end }}
+
 {{/* The gRPC address a component is reached at, inside the cluster. */}}
 {{- define "tandem.address" -}}
 {{- $svc := index .root.Values .component -}}
@@ -70,6 +133,7 @@ Call with (dict "root" $ "component" "target" "grpcService" "tandem.v1.Target" "
 {{- $fullname := printf "%s-%s" (include "tandem.fullname" $root) $component -}}
 {{- $p := .envPrefix -}}
 {{- $ctx := dict "root" $root "component" $component -}}
+{{- $fromHub := include "tandem.fromHub" $ctx -}}
 {{- if not (has $v.gpu.vendor (list "none" "nvidia" "amd")) }}
 {{- fail (printf "%s.gpu.vendor must be none, nvidia or amd, not %q" $component $v.gpu.vendor) }}
 {{- end }}
@@ -118,6 +182,10 @@ spec:
           {{- toYaml . | nindent 10 }}
         {{- end }}
       terminationGracePeriodSeconds: 30
+      {{- if $fromHub }}
+      initContainers:
+        {{- include "tandem.fetchModel" $ctx | nindent 8 }}
+      {{- end }}
       containers:
         - name: {{ $component }}
           image: {{ include "tandem.image" $v.image | quote }}
@@ -186,7 +254,9 @@ spec:
         - name: models
           persistentVolumeClaim:
             claimName: {{ include "tandem.modelsClaim" $root }}
+            {{- if not $fromHub }}
             readOnly: true
+            {{- end }}
         {{- end }}
       {{- with $v.nodeSelector }}
       nodeSelector:
@@ -232,6 +302,13 @@ Call with (dict "root" $ "component" "target" "envPrefix" "TANDEM_TARGET_").
 {{- if $v.model }}
 - name: {{ $p }}MODEL
   value: {{ $v.model | quote }}
+{{- end }}
+{{- if include "tandem.fromHub" (dict "root" $root "component" $component) }}
+# Fetched and checked by the init container: read offline from the Hub cache on the models volume.
+- name: HF_HOME
+  value: {{ include "tandem.hubHome" $root | quote }}
+- name: HF_HUB_OFFLINE
+  value: "1"
 {{- end }}
 {{- if eq $component "draft" }}
 - name: {{ $p }}DRAFTER
