@@ -358,3 +358,61 @@ def test_lookup_rule_checks_its_fields_and_caps_drafts() -> None:
     assert LookupRule(max_draft=8, end_position=len(tokens) + 3).draft(index, tokens, 100)[0] == [7, 8]  # + bonus
     assert LookupRule(max_draft=8, end_position=100).draft(index, tokens, 1)[0] == [7]  # context room
     assert LookupRule(max_draft=8, min_draft=6, end_position=100).draft(index, tokens, 100)[0] == []
+
+
+def loaded_costs(sessions: int, fixed_ms: float = 12.0, per_token_ms: float = 4.5) -> CostModel:
+    """Steps shared by `sessions` sessions on this CPU's costs, with the stream-level timings such load produces: a
+    round's lone overhead of 2 ms and a pipelined plain token that waits for the whole batched step."""
+    costs = CostModel()
+    costs.observe_overhead(2e6, step_sequences=1)  # measured while this session stepped alone
+    for extra in (0, 3, 1, 4, 2) * 6:  # plain steps with now and then one session's draft in them
+        tokens = sessions + extra
+        costs.observe_verify(tokens, sessions, int((fixed_ms + per_token_ms * tokens) * 1e6))
+        costs.observe_overhead(25e6, step_sequences=sessions)  # a loaded round's wall: mostly waiting for the step
+    costs.observe_plain_token((fixed_ms + per_token_ms * sessions) * 1e6)  # between answers: the whole step
+    return costs
+
+
+def test_under_load_a_plain_token_is_priced_at_its_share_of_the_step() -> None:
+    """At 8 sessions a step the time between a stream's answers is the whole step (48 ms), but the stream's plain
+    token costs the deployment its share: 12 / 8 + 4.5 = 6 ms; a round adds its own tokens and the lone overhead."""
+    costs = loaded_costs(8)
+    assert costs.loaded
+    plain = costs.plain_ns(priced_alone=True)
+    assert plain == pytest.approx(6.0e6, rel=0.02)
+    assert costs.round_ns(3, priced_alone=True) == pytest.approx((1.5 + 4.5 * 4 + 2.0) * 1e6, rel=0.02)
+    alone = costs_with(12.0, 4.5, overhead_ms=2.0)
+    alone.observe_plain_token(17e6)
+    assert not alone.loaded and alone.plain_ns() == 17e6  # stepping alone: the stream's own measurement stands
+
+
+@pytest.mark.parametrize("sessions", [4, 8, 16])
+def test_under_load_only_drafts_that_mostly_pass_are_sent(sessions: int) -> None:
+    """The issue-42 failure: under load, prose drafted behind short matches (accepted ~half the time) made eight
+    streams 0.75-0.88x as fast as not drafting. Priced at the batch such drafts are not sent, while a copied passage
+    (accepted ~97%) still is; alone, the same prose draft is sent (the fixed step is then the draft's to amortise)."""
+    prose = MatchLengthPolicy(CostModel())
+    copied = MatchLengthPolicy(CostModel())
+    for n in range(60):
+        prose.choose(match_len=3, available=3)
+        prose.observe(drafted=3, accepted=(0, 1, 2, 3)[n % 4])
+        copied.choose(match_len=16, available=4)
+        copied.observe(drafted=4, accepted=4 if n % 30 else 3)
+    loaded = loaded_costs(sessions)
+    at_load = MatchLengthPolicy(loaded, reached=prose.reached, accepted=prose.accepted)
+    assert at_load.choose(match_len=3, available=3) == 0
+    assert MatchLengthPolicy(loaded, reached=copied.reached, accepted=copied.accepted).choose(16, 4) == 4
+    alone = costs_with(12.0, 4.5, overhead_ms=2.0)
+    alone.observe_plain_token(17e6)
+    assert MatchLengthPolicy(alone, reached=prose.reached, accepted=prose.accepted).choose(3, 3) > 0
+
+
+def test_model_draft_policy_stops_drafting_mixed_text_at_a_full_batch() -> None:
+    """A model drafter's k under load (DraftLengthPolicy): mixed acceptance drafts alone and nothing at 8 sessions."""
+    alone = DraftLengthPolicy(costs_with(12.0, 4.5, overhead_ms=2.0), n_min=0, n_max=8)
+    full = DraftLengthPolicy(loaded_costs(8), n_min=0, n_max=8)
+    for policy in (alone, full):
+        for i in range(100):
+            policy.tracker.observe(8, (0, 1, 1, 2, 3, 3, 4, 5, 6, 8)[i % 10])
+    assert alone.choose(cap=100) > 0
+    assert full.choose(cap=100) == 0
