@@ -4,8 +4,9 @@ One stack as `make run` serves it (target, n-gram draft service, gateway with th
 gateway's `--max-concurrent` and the target's session slots raised to the largest concurrency. For each workload and
 each concurrency c, c streams start together, each answering the workload's prompts in turn (shifted per stream),
 first with speculation off (`"speculative.n_max": 0`) then on (the defaults), alternating which goes first per
-repetition; aggregate tok/s = completion tokens / wall time of the c streams. The goal (issue 42): on / off >= 1 at
-every concurrency. Writes concurrency.json, concurrency.md and concurrency.png under --out.
+repetition, after one untimed prefill of each of the level's prompts (`warm`); aggregate tok/s = completion tokens /
+wall time of the c streams. The goal (issue 42): on / off >= 1 at every concurrency. Writes concurrency.json,
+concurrency.md and concurrency.png under --out.
 """
 
 from __future__ import annotations
@@ -47,9 +48,22 @@ def _stream(url: str, workload: Workload, prompts: list[str], max_tokens: int, m
     return tokens
 
 
-def measure(url: str, workload: Workload, streams: int, per_stream: int, max_tokens: int, mode: dict) -> float:
+def plan_prompts(workload: Workload, streams: int, per_stream: int) -> list[list[str]]:
+    """Each stream's prompts: the workload's, in turn, shifted by one per stream."""
     prompts = list(workload.prompts)
-    plan = [[prompts[(s + i) % len(prompts)] for i in range(per_stream)] for s in range(streams)]
+    return [[prompts[(s + i) % len(prompts)] for i in range(per_stream)] for s in range(streams)]
+
+
+def warm(url: str, workload: Workload, streams: int, per_stream: int) -> None:
+    """Prefill every prompt of the plan once, untimed (one token each), so that both modes find them in the prefix
+    cache: otherwise the first measurement of each level pays every prefill, and with `off` first in the first
+    repetition it ran 20-45% slower than the same mode measured last (2026-12-06), biasing on / off upwards."""
+    distinct = list(dict.fromkeys(p for stream in plan_prompts(workload, streams, per_stream) for p in stream))
+    _stream(url, workload, distinct, 1, MODES["off"])
+
+
+def measure(url: str, workload: Workload, streams: int, per_stream: int, max_tokens: int, mode: dict) -> float:
+    plan = plan_prompts(workload, streams, per_stream)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=streams) as pool:
         tokens = sum(pool.map(lambda p: _stream(url, workload, p, max_tokens, mode), plan))
@@ -85,6 +99,7 @@ def main(args: argparse.Namespace) -> int:
         for workload in loads:
             for c in levels:
                 samples: dict[str, list[float]] = {"off": [], "on": []}
+                warm(gateway.address, workload, c, args.per_stream)
                 for rep in range(args.reps):
                     order = ("off", "on") if rep % 2 == 0 else ("on", "off")
                     for name in order:
