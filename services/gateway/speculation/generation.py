@@ -107,7 +107,8 @@ class Generation:
             opened = await self._open()
             ctx.started_ns = ctx.last_token_ns = time.perf_counter_ns()
             ctx.stats.prompt_ns = ctx.started_ns - t0
-            ctx.stats.speculation = "on" if ctx.drafting else "off"
+            if ctx.stats.speculation == "off":  # unless the draft's Open already ended drafting, saying why
+                ctx.stats.speculation = "on" if ctx.drafting else "off"
             if m:
                 m.ttft.observe(ctx.stats.prompt_ns / 1e9)
                 m.prompt_tokens.inc(len(self.req.prompt_token_ids))
