@@ -246,7 +246,11 @@ class DraftSettings(ServiceSettings):
     )
 
     port: int = Field(50052, ge=0, le=65535, description="gRPC port (0 = pick a free one and print it)")
-    drafter: Literal["ngram", "model"] = Field("ngram", description="model: a small GGUF; ngram: prompt lookup")
+    drafter: Literal["ngram", "model", "ngram,model"] = Field(
+        "ngram",
+        description="model: a small GGUF; ngram: prompt lookup; ngram,model: lookup first, the model where it finds"
+        " nothing",
+    )
     ngram_max: int = Field(NGRAM_MAX, ge=1, le=32, description="n-gram drafter: longest suffix to look up")
     ngram_min: int = Field(
         NGRAM_MIN, ge=1, le=32, description="n-gram drafter: shortest suffix to match (shorter matches draft noise)"
@@ -309,10 +313,11 @@ class GatewaySettings(BaseSettings):
         description="model drafters: draft the next round while the target verifies this one (draft on another device)",
     )
     # see docs/decisions/0015-cross-vocabulary-drafting.md
-    cross_vocab: Literal["string", "intersection"] = Field(
-        "string",
+    cross_vocab: Literal["auto", "string", "intersection"] = Field(
+        "auto",
         description="a draft model of another vocabulary: string (its text, tokenized by the target and verified as"
-        " fixed drafts) or intersection (sampled from the tokens both vocabularies share, verified with its q)",
+        " fixed drafts), intersection (sampled from the tokens both vocabularies share, verified with its q) or auto"
+        " (string for greedy requests, intersection for sampled ones: what measured best)",
     )
     # Choices follow measured timings, so temperature-0 text can differ at a near-tie between runs; seeded sampled
     # requests keep a fixed k unless they ask for adaptive k. See docs/decisions/0001-default-draft-lengths.md

@@ -48,6 +48,8 @@ class Session:
     lookup_index: NgramIndex | None = None
     #: Constrained decoding (OpenItem.constraint): a tandem.grammar.GrammarState over the emitted tokens.
     grammar: Any = None
+    #: Draft only: the drafting types the request narrowed a chained drafter to (OpenItem.draft_types; empty: all).
+    draft_types: tuple[str, ...] = ()
 
     @property
     def position(self) -> int:

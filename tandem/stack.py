@@ -68,12 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="gateway HTTP address")
     parser.add_argument(
         "--drafter",
-        choices=["ngram", "model", "local-ngram"],
+        choices=["ngram", "model", "ngram,model", "local-ngram"],
         default="ngram",
-        help="local-ngram: prompt lookup inside the gateway, no draft process (two processes)",
+        help="ngram,model: prompt lookup first, the draft model where it finds nothing; local-ngram: prompt lookup"
+        " inside the gateway, no draft process (two processes)",
     )
     parser.add_argument("--model", default=None, help="target GGUF path, or smollm2-135m (default) or gemma3-270m")
-    parser.add_argument("--draft-model", default=None, help="draft GGUF path or short name, for --drafter model")
+    parser.add_argument(
+        "--draft-model", default=None, help="draft GGUF path or short name, for --drafter model or ngram,model"
+    )
     parser.add_argument("--target-port", type=int, default=50051)
     parser.add_argument("--draft-port", type=int, default=50052)
     parser.add_argument("--threads", type=int, default=0, help="CPU threads per model service (0 = all cores)")

@@ -28,11 +28,15 @@ def build_draft(settings: DraftSettings) -> tuple[DraftServicer, EngineWorker, C
     async def load() -> None:
         drafter: Drafter
         engine = n_vocab = n_ctx = None
-        if settings.drafter == "model":
+        if settings.drafter in ("model", "ngram,model"):
+            from services.draft.chained import ChainedDrafter
             from tandem.engine import Engine
 
             engine = await worker.run(Engine, settings)
-            drafter = ModelDrafter(engine, settings.draft_support)
+            if settings.drafter == "model":
+                drafter = ModelDrafter(engine, settings.draft_support)
+            else:
+                drafter = ChainedDrafter(engine, settings.draft_support, settings.ngram_min, settings.ngram_max)
             n_vocab, n_ctx = engine.n_vocab, engine.n_ctx
         else:
             drafter = NgramDrafter(settings.ngram_min, settings.ngram_max)

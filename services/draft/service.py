@@ -24,11 +24,13 @@ from tandem.sessions import Session, SessionStore, make_rng
 DRAFT_RNG_SALT = 1  # the draft's random stream must differ from the target's for the same seed
 
 
-# (session id, prompt, sampling, constraint or None, text prompt or None); the last two may be left out
+# (session id, prompt, sampling, constraint or None, text prompt or None, drafting types or None); the last three may
+# be left out
 OpenSpec = (
     tuple[str, Sequence[int], SamplingParams]
     | tuple[str, Sequence[int], SamplingParams, Constraint | None]
     | tuple[str, Sequence[int], SamplingParams, Constraint | None, TextPrompt | None]
+    | tuple[str, Sequence[int], SamplingParams, Constraint | None, TextPrompt | None, Sequence[str] | None]
 )
 
 
@@ -104,16 +106,21 @@ class DraftService:
                 return stop.value
 
     def open_steps(self, items: Sequence[OpenSpec]) -> Generator[None, None, list[tuple[str, int]]]:
-        items = [(*item, *(None,) * (5 - len(item))) for item in items]
+        items = [(*item, *(None,) * (6 - len(item))) for item in items]
         fresh = []
         answered: dict[str, int] = {}
         texts: dict[str, TextState] = {}
-        for i, (sid, prompt, params, constraint, text) in enumerate(items):
+        offered = tuple(self.drafter.name.split(","))
+        for i, (sid, prompt, params, constraint, text, types) in enumerate(items):
+            unknown = [t for t in types or () if t not in offered]
+            if unknown:
+                names = ", ".join(offered)
+                raise InvalidArgument(f"drafting type {unknown[0]!r} is not offered here (offered: {names})")
             if text is not None:
                 if self.texts is None:
                     raise InvalidArgument("prompt_text needs a model drafter (--drafter model)")
                 prompt, texts[sid] = self.texts.open(text)
-                items[i] = (sid, prompt, params, constraint, text)
+                items[i] = (sid, prompt, params, constraint, text, types)
             self._check_tokens(prompt)
             if self.n_ctx is not None and len(prompt) >= self.n_ctx:
                 raise InvalidArgument(f"prompt of {len(prompt)} tokens does not fit the context size {self.n_ctx}")
@@ -121,10 +128,11 @@ class DraftService:
             if existing is not None and existing.prompt == tuple(prompt) and existing.last_call is None:
                 answered[sid] = position_of(existing)  # retried Open before any Propose
         try:
-            for sid, prompt, params, constraint, _ in items:
+            for sid, prompt, params, constraint, _, types in items:
                 if sid not in answered:
                     session = self.store.create(sid, prompt, params, make_rng(params.seed, DRAFT_RNG_SALT), -1)
                     session.extra = texts.get(sid)
+                    session.draft_types = tuple(types or ())
                     if constraint is not None:
                         self.drafter.constrain(session, constraint)
                     fresh.append(session)

@@ -107,6 +107,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                 sampling_from_pb(i.sampling),
                 constraint_from_pb(i),
                 TextPrompt(i.prompt_text, i.shared_vocabulary) if i.prompt_text else None,
+                tuple(i.draft_types),
             )
             for i in request.items
         ]

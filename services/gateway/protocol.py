@@ -259,11 +259,20 @@ class SamplingFields(BaseModel):
         description="extension: a model draft drafts the next round while the target verifies this one (default: the"
         " server's --overlap-draft)",
     )
-    speculative_cross_vocab: Literal["string", "intersection"] | None = Field(
+    speculative_cross_vocab: Literal["auto", "string", "intersection"] | None = Field(
         None,
         alias="speculative.cross_vocab",
-        description="extension: how a draft of another vocabulary drafts: string (its text, verified as fixed drafts)"
-        " or intersection (sampled from the tokens both vocabularies share; default: the server's --cross-vocab)",
+        description="extension: how a draft of another vocabulary drafts: string (its text, verified as fixed drafts),"
+        " intersection (sampled from the tokens both vocabularies share) or auto (string when greedy, intersection"
+        " when sampled; default: the server's --cross-vocab)",
+    )
+    speculative_type: str | None = Field(
+        None,
+        alias="speculative.type",
+        max_length=64,
+        description="extension: the drafting types this request uses, of those the deployment offers, e.g. `ngram`"
+        " (prompt lookup), `model`, or `ngram,model` (lookup first, the model where it finds nothing; the default of a"
+        " draft service started with --drafter ngram,model)",
     )
     response_format: ResponseFormat | None = None
     timings_detail: bool = Field(

@@ -108,6 +108,7 @@ class Serving:
         n_max = self.default_n_max if req.speculative_n_max is None else req.speculative_n_max
         n_min = self.settings.n_min if req.speculative_n_min is None else req.speculative_n_min
         ngram_min = self._ngram_min(req.speculative_ngram_min)
+        draft_types = self._draft_types(req.speculative_type)
         constraint = self._constraint(req, constraint, constraint_param)
         return GenerationRequest(
             prompt_token_ids=list(prompt_ids),
@@ -119,9 +120,32 @@ class Serving:
             adaptive=self._adaptive(req),
             overlap=req.speculative_overlap,
             cross_vocab=req.speculative_cross_vocab,
+            draft_types=draft_types,
             ngram_min=ngram_min,
             constraint=constraint,
         )
+
+    def _draft_types(self, requested: str | None) -> tuple[str, ...]:
+        """`speculative.type` as the drafting types to open the draft session with (empty: the deployment's own);
+        a type the deployment does not offer is a 400 that names what it offers."""
+        if requested is None:
+            return ()
+        if self.settings.local_ngram:
+            offered: tuple[str, ...] = ("ngram",)
+        elif self.up.draft_info is not None:
+            offered = tuple(self.up.draft_info.drafter.split(","))
+        else:
+            offered = ()
+        wanted = tuple(dict.fromkeys(t.strip() for t in requested.split(",") if t.strip()))
+        unknown = [t for t in wanted if t not in offered]
+        if not wanted or unknown:
+            raise OpenAIError(
+                400,
+                f"speculative.type {requested!r}: this deployment drafts with {', '.join(offered) or 'nothing'}",
+                "speculative.type",
+                "invalid_value",
+            )
+        return wanted if len(offered) > 1 else ()  # one type offered: it is the deployment's own
 
     def _constraint(self, req: SamplingFields, given: Constraint | None, param: str) -> Constraint | None:
         """The request's constraint, compiled here once so that a bad schema is a 400 that names the parameter (the

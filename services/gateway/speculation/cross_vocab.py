@@ -34,7 +34,7 @@ from tandem.v1 import tandem_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-MODES = ("string", "intersection")
+MODES = ("auto", "string", "intersection")
 
 
 async def target_vocabulary(up: Upstreams, timeout: float) -> VocabularyText:
@@ -70,6 +70,8 @@ class CrossVocabDraft:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.mode = ctx.req.cross_vocab or ctx.opts.cross_vocab
+        if self.mode == "auto":  # what measured best on each (docs/decisions/0015)
+            self.mode = "string" if ctx.req.sampling.greedy else "intersection"
         self.shared = self.mode == "intersection"
         self.policy = (
             DraftLengthPolicy(ctx.costs, ctx.req.n_min, ctx.req.n_max, ctx.acceptance, stop_when_futile=True)
@@ -86,6 +88,7 @@ class CrossVocabDraft:
         ctx = self.ctx
         self.vocabulary = await target_vocabulary(ctx.up, timeout)
         item = pb.OpenItem(session_id=ctx.session_id, prompt_text=self.vocabulary.spell(ctx.req.prompt_token_ids, True))
+        item.draft_types.extend(ctx.req.draft_types)
         if self.shared:
             item.sampling.CopyFrom(sampling)
             item.shared_vocabulary = self.vocabulary.fingerprint

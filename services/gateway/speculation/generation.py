@@ -177,7 +177,10 @@ class Generation:
                     await ctx.draft_opened()
                     raise
             draft_item = pb.OpenItem(
-                session_id=ctx.session_id, prompt_token_ids=self.req.prompt_token_ids, sampling=sampling
+                session_id=ctx.session_id,
+                prompt_token_ids=self.req.prompt_token_ids,
+                sampling=sampling,
+                draft_types=self.req.draft_types,
             )
             draft_info = ctx.up.draft_info
             if item.HasField("constraint") and draft_info is not None and draft_info.capabilities.constraints:

@@ -26,7 +26,8 @@ class GenerationRequest:
     adaptive: bool = True  # choose k per round in [n_min, n_max] from measured costs and acceptance
     overlap: bool | None = None  # the request's own choice of GenerationOptions.overlap (None: the server's)
     ngram_min: int = NGRAM_MIN  # the gateway's own lookup drafts behind suffix matches at least this long
-    cross_vocab: str | None = None  # a draft of another vocabulary: "string" or "intersection" (None: the server's)
+    cross_vocab: str | None = None  # a draft of another vocabulary: "auto", "string" or "intersection" (None: server's)
+    draft_types: tuple[str, ...] = ()  # speculative.type: a chained drafter narrowed to these (empty: its whole chain)
     constraint: Constraint | None = None  # what the output must match (the target masks with it)
 
 
@@ -44,7 +45,7 @@ class GenerationOptions:
     target_lookup: bool = True  # let the target run the gateway's lookup rule inside target-only calls
     continue_rounds: bool = True  # an n-gram service's round may go on as target-only decoding in the same call
     draft_max_running: int = 0  # beyond this many running generations a starting request decodes target-only
-    cross_vocab: str = "string"  # how a draft of another vocabulary drafts (speculation.cross_vocab)
+    cross_vocab: str = "auto"  # how a draft of another vocabulary drafts (speculation.cross_vocab)
 
     @classmethod
     def from_settings(cls, settings) -> GenerationOptions:
