@@ -371,3 +371,39 @@ def test_intersection_of_the_real_vocabularies(smollm: VocabOnly, gemma: VocabOn
     proposal = texts.proposal(session, tokens, None, False)
     assert proposal.text == b" there was a cat"
     assert _spells(gemma, proposal.token_ids) == b" there was a cat"
+
+
+# ----------------------------------------------------------------------------------------------------
+# The gateway's side
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_the_prompt_is_spelled_with_markup_and_without_the_targets_bos() -> None:
+    vocabulary = VocabularyText("t", [b"", b"", b"Hi", b" there", b"\xe2"], {0: b"<bos>", 1: b"<turn>"}, bos_id=0)
+    assert vocabulary.spell([0, 1, 2, 3, 4], markup=True) == b"<turn>Hi there\xe2"
+    assert vocabulary.spell([0, 1, 2, 3]) == b"Hi there"  # committed text: the pieces as output shows them
+
+
+def test_the_fingerprint_decides_the_path_and_only_what_cannot_work_is_refused() -> None:
+    from services.gateway.upstream import IncompatibleDraft, IncompatibleService, check_compatible, cross_vocabulary
+    from tandem import PROTOCOL_VERSION
+    from tandem.v1 import tandem_pb2 as pb
+
+    target = pb.InfoResponse(model_name="gemma", vocab_fingerprint="g" * 64, protocol_version=PROTOCOL_VERSION)
+    target.capabilities.translates_text = True
+    draft = pb.InfoResponse(
+        model_name="smol", vocab_fingerprint="s" * 64, drafter="model", protocol_version=PROTOCOL_VERSION
+    )
+    draft.capabilities.drafts_text = True
+    check_compatible(target, draft)
+    assert cross_vocabulary(target, draft)
+    same = pb.InfoResponse(vocab_fingerprint="g" * 64, drafter="model", protocol_version=PROTOCOL_VERSION)
+    ngram = pb.InfoResponse(vocab_fingerprint="n" * 64, drafter="ngram", protocol_version=PROTOCOL_VERSION)
+    assert not cross_vocabulary(target, same) and not cross_vocabulary(target, ngram)
+    draft.capabilities.drafts_text = False
+    with pytest.raises(IncompatibleDraft, match="does not draft in text"):
+        check_compatible(target, draft)
+    draft.capabilities.drafts_text = True
+    draft.protocol_version = PROTOCOL_VERSION - 1
+    with pytest.raises(IncompatibleService, match=f"protocol {PROTOCOL_VERSION - 1}"):
+        check_compatible(target, draft)
