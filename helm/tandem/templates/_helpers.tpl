@@ -59,7 +59,7 @@ drafter: model and enabled (the n-gram drafter loads nothing). Call with (dict "
 */}}
 {{- define "tandem.fromHub" -}}
 {{- $v := index .root.Values .component -}}
-{{- $loads := or (eq .component "target") (and $v.enabled (eq $v.drafter "model")) -}}
+{{- $loads := or (eq .component "target") (and $v.enabled (has $v.drafter (list "model" "ngram,model"))) -}}
 {{- if and $loads (hasPrefix "hf://" (toString $v.model)) -}}
 {{- if eq .root.Values.models.storage "none" }}
 {{- fail (printf "%s.model is a Hub reference (%s): set models.storage to pvc or hostPath, the volume it is fetched into" .component $v.model) }}
