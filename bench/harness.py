@@ -128,9 +128,9 @@ def start_tandem(
     if not args.no_model_draft:
         for name, extra in placements(args):
             print(f"starting model draft ({name}) ...", file=sys.stderr, flush=True)
-            draft = start_model_service(
-                "services.draft", ["--drafter", "model", *draft_model, *shlex.split(extra)], log_dir
-            )
+            flags = shlex.split(extra)  # may name its own drafter: --draft "chained=--drafter ngram,model"
+            drafter = [] if "--drafter" in flags else ["--drafter", "model"]
+            draft = start_model_service("services.draft", [*drafter, *draft_model, *flags], log_dir)
             stack.processes.append(draft)
             gateway = start_gateway(target.address, draft.address, log_dir, "--n-max", "4")
             stack.processes.append(gateway)
@@ -522,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="NAME=FLAGS",
-        help="a model-draft placement, repeatable, e.g. 'cpu=--device cpu --n-threads 8' 'gpu=--n-gpu-layers -1'",
+        help="a model-draft placement, repeatable, e.g. 'cpu=--device cpu --n-threads 8' 'gpu=--n-gpu-layers -1'; its"
+        " flags may name the drafter: 'chained=--drafter ngram,model'",
     )
     parser.add_argument(
         "--peer-args",
