@@ -57,6 +57,9 @@ class ChainedDrafter(ModelDrafter):
         """The lookup's proposal, or None where it finds nothing (or the session does not look up)."""
         if LOOKUP not in drafting_types(session) or max_tokens <= 0:
             return None
+        if getattr(session.extra, "shared", None) is not None:
+            return None  # token-level intersection: every proposal must be of the shared tokens, with its q
+
         tokens, match_len = ngram_draft_matched(self._index(session), session.tokens, max_tokens, True)
         return Draft(tokens, None, match_len) if tokens else None
 
