@@ -254,3 +254,8 @@ class FakeUpstreams:
     @property
     def draft_is_ngram(self) -> bool:
         return self.draft_info is not None and self.draft_info.drafter == "ngram"
+
+    @property
+    def draft_cross_vocabulary(self) -> bool:
+        """The fakes share one vocabulary: no draft drafts in text here (tests/test_cross_vocab_e2e.py does)."""
+        return False
