@@ -77,12 +77,3 @@ class ChainedDrafter(ModelDrafter):
 def drafting_types(session: Session) -> tuple[str, ...]:
     """The drafting types a session asked for (OpenItem.draft_types), else the whole chain."""
     return session.draft_types or CHAIN
-
-
-def parse_types(value: str, offered: tuple[str, ...]) -> tuple[str, ...]:
-    """`speculative.type` as a tuple of drafting types the deployment offers; ValueError names what is offered."""
-    wanted = tuple(t.strip() for t in value.split(",") if t.strip())
-    unknown = [t for t in wanted if t not in offered]
-    if not wanted or unknown:
-        raise ValueError(f"drafting type {value!r} is not offered here (offered: {', '.join(offered)})")
-    return wanted

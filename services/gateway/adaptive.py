@@ -212,7 +212,7 @@ class CostModel:
             return self.loaded_round_ns(k)
         overhead = self.overhead_ns or 0.0
         line = self.line()
-        if self.sequences < 1.5 and (priced_alone or line is not None):
+        if priced_alone or line is not None:  # not loaded: this session steps (nearly) alone
             measured = self.lone_step_ns(k + 1) if priced_alone else self.step_ns(k + 1)
             if measured is not None:
                 return measured + overhead + self.draft_token_ns * k

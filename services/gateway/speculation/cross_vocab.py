@@ -27,6 +27,7 @@ import grpc
 
 from services.gateway.adaptive import DraftLengthPolicy
 from services.gateway.speculation.context import Context
+from services.gateway.speculation.model_draft import choose_draft_length
 from services.gateway.upstream import Upstreams
 from tandem.convert import vocabulary_from_pb, vocabulary_to_pb
 from tandem.cross_vocab import VocabularyText
@@ -118,11 +119,7 @@ class CrossVocabDraft:
     # ---------------------------------------------------------------- rounds
 
     def choose_k(self) -> int:
-        cap = self.ctx.room - 1
-        k = self.policy.choose(cap) if self.policy is not None else min(self.ctx.req.n_max, cap)
-        self.ctx.stats.k_chosen += k
-        self.ctx.stats.k_rounds += 1
-        return k
+        return choose_draft_length(self.ctx, self.policy)
 
     async def round(self) -> AsyncIterator[pb.Token]:
         ctx = self.ctx

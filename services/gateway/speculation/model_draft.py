@@ -11,6 +11,16 @@ from services.gateway.speculation.context import Context
 from tandem.v1 import tandem_pb2 as pb
 
 
+def choose_draft_length(ctx: Context, policy: DraftLengthPolicy | None) -> int:
+    """A model draft's k for this round: the policy's choice (adaptive k), else n_max, within the room left; counted
+    in the request's stats. Shared by drafts of the target's vocabulary and of another (cross_vocab.py)."""
+    cap = ctx.room - 1
+    k = policy.choose(cap) if policy is not None else min(ctx.req.n_max, cap)
+    ctx.stats.k_chosen += k
+    ctx.stats.k_rounds += 1
+    return k
+
+
 class ModelDraft:
     """A draft model in its own service. One round:
 
@@ -42,11 +52,7 @@ class ModelDraft:
         self.guess: int | None = None  # the draft's guess for the target's token after this round's drafts
 
     def choose_k(self) -> int:
-        cap = self.ctx.room - 1
-        k = self.policy.choose(cap) if self.policy is not None else min(self.ctx.req.n_max, cap)
-        self.ctx.stats.k_chosen += k
-        self.ctx.stats.k_rounds += 1
-        return k
+        return choose_draft_length(self.ctx, self.policy)
 
     async def round(self) -> AsyncIterator[pb.Token]:
         ctx = self.ctx
