@@ -185,6 +185,13 @@ def pin_colocated(*models: EngineSettings) -> None:
 class ServiceSettings(EngineSettings):
     host: str = Field("127.0.0.1", description="address to listen on; anything but loopback is an explicit choice")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = pick a free one and print it)")
+    frame_port: int = Field(
+        0,
+        ge=-1,
+        le=65535,
+        description="port of the frame transport for Verify/Propose, told to callers in Info (0 = pick a free one, "
+        "-1 = off: callers use gRPC streams); same TLS and token as gRPC",
+    )
     tls_cert: Path | None = Field(None, description="PEM certificate: serve gRPC over TLS (with --tls-key)")
     tls_key: Path | None = Field(None, description="PEM private key of --tls-cert")
     tls_client_ca: Path | None = Field(
@@ -346,6 +353,11 @@ class GatewaySettings(BaseSettings):
     upstream_tls_cert: Path | None = Field(None, description="PEM client certificate for mutual TLS")
     upstream_tls_key: Path | None = Field(None, description="PEM private key of --upstream-tls-cert")
     upstream_token: str | None = Field(None, description="shared token sent to the services (their --auth-token)")
+    upstream_frames: bool = Field(
+        True,
+        description="Verify and Propose over the services' frame ports where they offer one (cheaper a call than "
+        "gRPC streams, same TLS and token); off: gRPC streams only",
+    )
     api_keys: list[str] = Field(
         default_factory=list,
         description='accepted Bearer keys (TANDEM_GATEWAY_API_KEYS=\'["k1","k2"]\'); empty = no authentication',

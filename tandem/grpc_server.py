@@ -11,8 +11,10 @@ import asyncio
 import hmac
 import logging
 import signal
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from opentelemetry import propagate
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
 
 from tandem.errors import TandemError
+from tandem.frames import FrameMethod, server_ssl_context, start_frame_server
 from tandem.telemetry import context_from_metadata, tracer, tracing_on
 
 log = logging.getLogger(__name__)
@@ -86,6 +89,33 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
+def server_span(request: Any, span_name: str) -> AbstractContextManager[Span]:
+    """A stream or frame call's server span; none where there is nothing to record (no trace context sent and no
+    tracer provider here), which spares every call the context extraction and a no-op span (see
+    docs/decisions/0003-grpc-streams-and-io.md)."""
+    if not request.trace_context and not tracing_on():
+        return nullcontext(INVALID_SPAN)
+    parent = propagate.extract(dict(request.trace_context))
+    return tracer().start_as_current_span(span_name, context=parent, kind=SpanKind.SERVER)
+
+
+async def answer_call(
+    handler: Callable[[Any, Any], Awaitable[Any]], request: Any, response_type: type, context: Any, span_name: str
+) -> Any:
+    """Answer one call of a stream or a frame connection: the handler's response, or its failure as an in-band `error`
+    status (the stream or connection serves other calls and must not end), with the request's id."""
+    from tandem.v1 import tandem_pb2 as pb
+
+    with server_span(request, span_name) as span:
+        try:
+            response = await handler(request, context)
+        except Exception as exc:
+            code, message = error_status(exc, span_name, span)
+            response = response_type(error=pb.Status(code=code.value[0], message=message))
+    response.request_id = request.request_id
+    return response
+
+
 async def stream_replies(
     requests: AsyncIterator[Any],
     handler: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
@@ -99,29 +129,11 @@ async def stream_replies(
     the calls of every request the gateway is serving, and they must reach the step scheduler together to be
     batched. (A caller that needs order waits for its answer before sending its next call, as the gateway does.)
     """
-    from tandem.v1 import tandem_pb2 as pb
-
     answers: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    def server_span(request: Any) -> AbstractContextManager[Span]:
-        """The call's server span; none where there is nothing to record (no trace context sent and no tracer
-        provider here), which spares every call the context extraction and a no-op span (see
-        docs/decisions/0003-grpc-streams-and-io.md)."""
-        if not request.trace_context and not tracing_on():
-            return nullcontext(INVALID_SPAN)
-        parent = propagate.extract(dict(request.trace_context))
-        return tracer().start_as_current_span(span_name, context=parent, kind=SpanKind.SERVER)
-
     async def answer(request: Any) -> None:
-        with server_span(request) as span:
-            try:
-                response = await handler(request, context)
-            except Exception as exc:
-                code, message = error_status(exc, span_name, span)
-                response = response_type(error=pb.Status(code=code.value[0], message=message))
-        response.request_id = request.request_id
-        await answers.put(response)
+        await answers.put(await answer_call(handler, request, response_type, context, span_name))
 
     async def read() -> None:
         tasks: set[asyncio.Task] = set()
@@ -198,8 +210,12 @@ async def serve(
     period_s: float = 5.0,
     credentials: grpc.ServerCredentials | None = None,
     auth_token: str | None = None,
+    frames: FrameOffer | None = None,
 ) -> None:
-    """Listen on host:port, report NOT_SERVING, run `load`, report SERVING, then serve until SIGINT/SIGTERM."""
+    """Listen on host:port, report NOT_SERVING, run `load`, report SERVING, then serve until SIGINT/SIGTERM.
+
+    With `frames`, Verify or Propose is also served on the frame transport (tandem/frames.py), on its own port.
+    """
     interceptors = [TokenInterceptor(auth_token)] if auth_token else []
     server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=SERVER_OPTIONS)
     register(server)
@@ -217,6 +233,7 @@ async def serve(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     # Printed (and flushed) so launchers that asked for port 0 learn the real port.
     print(f"tandem: {service_name} listening on {host}:{bound}", flush=True)
+    frame_server = await frames.start(host, auth_token) if frames is not None else None
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -247,10 +264,41 @@ async def serve(
     await stop.wait()
     await health_servicer.enter_graceful_shutdown()
     ticker.cancel()
+    if frame_server is not None:
+        frame_server.close()
     await server.stop(grace=2.0)
     if loader.done() and loader.exception() is not None:
         raise SystemExit(1)
     loader.cancel()
+
+
+def frame_offer(settings, methods: dict[int, FrameMethod]) -> FrameOffer | None:
+    """The frame transport of a model service's settings: its port, the gRPC port's TLS; None with --frame-port -1."""
+    if settings.frame_port < 0:
+        return None
+    return FrameOffer(
+        methods, settings.frame_port, server_ssl_context(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    )
+
+
+@dataclass
+class FrameOffer:
+    """What a service answers on the frame transport, where it listens (0: any free port), and, once listening, the
+    port it tells callers in Info (`bound`; 0 while not listening)."""
+
+    methods: dict[int, FrameMethod]
+    port: int = 0
+    ssl_context: ssl.SSLContext | None = None
+    bound: int = 0
+
+    async def start(self, host: str, token: str | None) -> asyncio.Server:
+        async def answer(method: FrameMethod, request: Any) -> Any:
+            return await answer_call(method.handler, request, method.response_type, None, method.name)
+
+        server = await start_frame_server(host, self.port, self.methods, answer, self.ssl_context, token)
+        self.bound = server.sockets[0].getsockname()[1]
+        print(f"tandem: frames on {host}:{self.bound}", flush=True)
+        return server
 
 
 async def serve_service(
@@ -260,8 +308,9 @@ async def serve_service(
     register: Callable[[grpc.aio.Server], None],
     load: Callable[[], Awaitable[None]],
     periodic: Callable[[], Awaitable[None]] | None,
+    frames: FrameOffer | None = None,
 ) -> None:
-    """`serve` with the address, TLS and token of a model service's settings."""
+    """`serve` with the address, TLS and token of a model service's settings (and `frame_offer`'s frames)."""
     await serve(
         host=settings.host,
         port=settings.port,
@@ -271,4 +320,5 @@ async def serve_service(
         periodic=periodic,
         credentials=server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca),
         auth_token=settings.auth_token,
+        frames=frames,
     )

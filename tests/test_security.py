@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import ssl
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +13,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.frames import ERROR, HELLO, MAGIC, FrameReader, client_ssl_context, frame
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tests.conftest import THREADS, Service, start_gateway, start_model_service
@@ -95,3 +98,37 @@ def test_services_refuse_what_lacks_credentials(secure_stack: dict[str, Service]
         # Health checks need no token, so orchestrators' probes keep working.
         health = health_pb2_grpc.HealthStub(mtls).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _frames_answered(port: int, hello: bytes, context: ssl.SSLContext | None) -> list[tuple[int, bytes]]:
+    """Open the frame port (over TLS with `context`), say `hello`; the frames answered until the service hangs up."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        sock = context.wrap_socket(raw, server_hostname="127.0.0.1") if context else raw
+        sock.sendall(frame(HELLO, hello))
+        reader, frames = FrameReader(), []
+        try:
+            while chunk := sock.recv(65536):
+                frames += reader.feed(chunk)
+                if frames:
+                    break
+        except (ssl.SSLError, ConnectionError):
+            pass
+        return frames
+
+
+def test_frames_carry_the_same_tls_and_token(secure_stack: dict[str, Service], pki: Path) -> None:
+    """The gateway's Verify and Propose go over the services' frame ports, through the same mutual TLS and token;
+    a peer without the token, or without TLS, is not served there either."""
+    test_gateway_speaks_mutual_tls_with_token(secure_stack)
+    log = secure_stack["gateway"].log()
+    assert "target: calls over frames" in log and "draft: calls over frames" in log
+    with _channel(secure_stack["target"].address, pki, client_cert=True) as mtls:
+        metadata = (("authorization", f"Bearer {TOKEN}"),)
+        port = pb_grpc.TargetStub(mtls).Info(pb.InfoRequest(), timeout=5, metadata=metadata).frame_port
+    tls = client_ssl_context(pki / "ca.pem", pki / "client.pem", pki / "client.key")
+    assert _frames_answered(port, MAGIC + f"\n{TOKEN}".encode(), tls) == [(HELLO, MAGIC)]
+    refused = _frames_answered(port, MAGIC + b"\nnope", tls)
+    assert refused[0][0] == ERROR and b"wrong token" in refused[0][1]
+    assert _frames_answered(port, MAGIC + f"\n{TOKEN}".encode(), None) == []  # plaintext to a TLS port: nothing
+    no_cert = client_ssl_context(pki / "ca.pem", None, None)
+    assert _frames_answered(port, MAGIC + f"\n{TOKEN}".encode(), no_cert) == []  # TLS without a client certificate

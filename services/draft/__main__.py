@@ -55,16 +55,18 @@ def build_draft(settings: DraftSettings) -> tuple[DraftServicer, EngineWorker, C
 
 
 async def _serve(settings: DraftSettings) -> None:
-    from tandem.grpc_server import serve_service
+    from tandem.grpc_server import frame_offer, serve_service
     from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
     servicer, worker, load = build_draft(settings)
+    servicer.frames = frame_offer(settings, servicer.frame_methods())
     await serve_service(
         settings,
         service_name="tandem.v1.Draft",
         register=lambda server: pb_grpc.add_DraftServicer_to_server(servicer, server),
         load=load,
         periodic=servicer.expire_idle,
+        frames=servicer.frames,
     )
     worker.shutdown()
 

@@ -19,7 +19,8 @@ from tandem.convert import (
     vocabulary_from_pb,
 )
 from tandem.engine import Engine
-from tandem.grpc_server import ServiceLoading, stream_replies
+from tandem.frames import PROPOSE, FrameMethod
+from tandem.grpc_server import FrameOffer, ServiceLoading, stream_replies
 from tandem.scheduler import StepScheduler
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -32,6 +33,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.service: DraftService | None = None
         self.engine: Engine | None = None  # None for the model-free n-gram drafter
         self.scheduler: StepScheduler | None = None
+        self.frames: FrameOffer | None = None  # set by the service's main when it serves frames (tandem/frames.py)
         self._background: set[asyncio.Task] = set()
 
     def attach(
@@ -95,7 +97,11 @@ class DraftServicer(pb_grpc.DraftServicer):
         msg.capabilities.proposes_after_repeat = service.drafter.proposes_after_repeat
         msg.capabilities.constraints = service.drafter.knows_grammars
         msg.capabilities.drafts_text = service.texts is not None
+        msg.frame_port = self.frames.bound if self.frames is not None else 0
         return serving_stats(msg, service.store, self.scheduler)
+
+    def frame_methods(self) -> dict[int, FrameMethod]:
+        return {PROPOSE: FrameMethod(pb.ProposeRequest, pb.ProposeResponse, self.Propose, "/tandem.v1.Draft/Propose")}
 
     async def Open(self, request: pb.OpenRequest, context: grpc.aio.ServicerContext) -> pb.OpenResponse:
         service = self._ready()

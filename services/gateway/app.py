@@ -147,13 +147,17 @@ def create_app(settings: GatewaySettings | None = None, colocated: Colocated | N
 
                     remote = None
                     if colocated.remote_draft:
-                        remote = RemoteDraft(settings.draft, security, settings.startup_timeout_s)
+                        remote = RemoteDraft(
+                            settings.draft, security, settings.startup_timeout_s, settings.upstream_frames
+                        )
                     upstreams = await start_colocated(
                         colocated.target, colocated.draft, colocated.verifier_class, colocated.overlap, remote
                     )
                 else:
                     draft = None if settings.local_ngram else settings.draft or None
-                    upstreams = await connect(settings.target, draft, settings.startup_timeout_s, security)
+                    upstreams = await connect(
+                        settings.target, draft, settings.startup_timeout_s, security, settings.upstream_frames
+                    )
             except Exception as exc:
                 app.state.startup_error = str(exc)
                 log.error("gateway start-up failed: %s", exc)

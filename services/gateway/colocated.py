@@ -29,8 +29,16 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
 from services.gateway.streams import StreamMux, upstream_error
-from services.gateway.upstream import ChannelSecurity, Upstreams, check_compatible, check_protocol, wait_serving
+from services.gateway.upstream import (
+    ChannelSecurity,
+    Upstreams,
+    check_compatible,
+    check_protocol,
+    wait_serving,
+    with_frames,
+)
 from tandem.config import DraftSettings, TargetSettings
+from tandem.frames import PROPOSE
 from tandem.grpc_server import error_status
 from tandem.telemetry import context_from_metadata, tracer
 from tandem.v1 import tandem_pb2 as pb
@@ -215,6 +223,7 @@ class RemoteDraft:
     address: str
     security: ChannelSecurity = field(default_factory=ChannelSecurity)
     timeout_s: float = 600.0
+    frames: bool = True  # Propose over the draft's frame port where it offers one (tandem/frames.py)
 
 
 async def start_colocated(
@@ -270,6 +279,9 @@ async def start_colocated(
             check_compatible(target_info, draft_info)
             metadata = remote_draft.security.stream_metadata() or None
             propose = StreamMux(lambda: draft_stub.ProposeStream(metadata=metadata), "draft")
+            if remote_draft.frames:
+                args = (remote_draft.address, draft_info, draft_stub.Info, PROPOSE, pb.ProposeResponse)
+                propose = with_frames(propose, *args, remote_draft.security)
             draft_health = health_pb2_grpc.HealthStub(channel)
     except BaseException:
         for channel in channels:

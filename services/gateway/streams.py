@@ -12,10 +12,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable
+import ssl
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+
+from tandem.frames import ERROR, HELLO, MAGIC, FrameError, FrameReader, frame
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,14 @@ class _Stream:
                 future.set_exception(upstream_error(grpc.StatusCode.UNAVAILABLE, f"{name}: {reason}"))
 
 
+def _checked(response: Any) -> Any:
+    """The response, or its in-band error status raised as the error a unary call would raise."""
+    if response.HasField("error"):
+        code = _CODES.get(response.error.code, grpc.StatusCode.UNKNOWN)
+        raise upstream_error(code, response.error.message)
+    return response
+
+
 class StreamMux:
     def __init__(self, open_stream: Callable[[], Any], name: str) -> None:
         self._open_stream = open_stream
@@ -82,10 +94,7 @@ class StreamMux:
                 stream.pending.pop(request_id, None)
             if not future.done():
                 future.cancel()
-        if response.HasField("error"):
-            code = _CODES.get(response.error.code, grpc.StatusCode.UNKNOWN)
-            raise upstream_error(code, response.error.message)
-        return response
+        return _checked(response)
 
     async def _write(self, stream: _Stream) -> None:
         """The only writer of the stream. In grpc aio a write whose task is cancelled cancels the whole RPC, which
@@ -131,3 +140,155 @@ class StreamMux:
             for task in (stream.writer, stream.reader):
                 if task is not None:
                     task.cancel()
+
+
+class _FrameConnection(asyncio.Protocol):
+    """The gateway's end of a frame connection: answers are matched to waiting calls in the socket callback."""
+
+    def __init__(self, response_type: type, name: str) -> None:
+        self.response_type = response_type
+        self.name = name
+        self.reader = FrameReader()
+        self.pending: dict[int, asyncio.Future] = {}
+        self.transport: asyncio.Transport | None = None
+        self.greeted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    @property
+    def open(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for kind, payload in self.reader.feed(data):
+                if kind == HELLO:
+                    self.greeted.done() or self.greeted.set_result(None)
+                elif kind == ERROR:
+                    raise FrameError(f"the service refused: {payload.decode(errors='replace')}")
+                else:
+                    response = self.response_type.FromString(payload)
+                    future = self.pending.pop(response.request_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(response)
+        except Exception as exc:
+            self._fail(exc)
+            if self.transport is not None:
+                self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self._fail(exc or ConnectionError("connection closed"))
+
+    def _fail(self, exc: Exception) -> None:
+        if not self.greeted.done():
+            self.greeted.set_exception(exc if isinstance(exc, (FrameError, OSError)) else FrameError(str(exc)))
+        pending, self.pending = self.pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(upstream_error(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {exc}"))
+
+
+class FrameMux:
+    """StreamMux's interface over the frame transport (tandem/frames.py), the gRPC stream as its fallback.
+
+    Connects on the first call to the port the service names in Info, and after a lost connection asks again (a
+    restarted service may listen elsewhere; one that is down fails the call with UNAVAILABLE, as a broken stream
+    does). Where the service offers no frames or its port cannot be reached (a port mapping, a network policy), calls
+    go over the gRPC stream and frames are tried again after RETRY_S.
+    """
+
+    RETRY_S = 60.0
+    CONNECT_TIMEOUT_S = 5.0
+
+    def __init__(
+        self,
+        host: str,
+        kind: int,
+        response_type: type,
+        locate: Callable[[], Awaitable[int]],
+        fallback: StreamMux,
+        ssl_context: ssl.SSLContext | None = None,
+        token: str | None = None,
+    ) -> None:
+        self.host = host
+        self.kind = kind
+        self.response_type = response_type
+        self.name = fallback.name
+        self._locate = locate
+        self.fallback = fallback
+        self._ssl = ssl_context
+        self._hello = frame(HELLO, MAGIC + b"\n" + (token or "").encode())
+        self._connection: _FrameConnection | None = None
+        self._lock = asyncio.Lock()
+        self._grpc_until = 0.0
+        self._ids = itertools.count(1)
+
+    @property
+    def on_frames(self) -> bool:
+        """Whether calls go over a frame connection now (else over the gRPC stream)."""
+        return self._connection is not None and self._connection.open
+
+    async def call(self, request: Any, timeout: float) -> Any:
+        connection = self._connection
+        if connection is None or not connection.open:
+            connection = await self._connect()
+            if connection is None:
+                return await self.fallback.call(request, timeout)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        request_id = request.request_id = next(self._ids)
+        connection.pending[request_id] = future
+        connection.transport.write(frame(self.kind, request.SerializeToString()))
+        timer = loop.call_later(timeout, _expire, future, self.name, timeout)
+        try:
+            response = await future
+        finally:
+            timer.cancel()
+            connection.pending.pop(request_id, None)
+            if not future.done():
+                future.cancel()
+        return _checked(response)
+
+    async def _connect(self) -> _FrameConnection | None:
+        async with self._lock:
+            if self._connection is not None and self._connection.open:
+                return self._connection
+            if time.monotonic() < self._grpc_until:
+                return None
+            try:
+                port = await self._locate()
+            except grpc.aio.AioRpcError as exc:  # the service is down: fail as a broken stream does
+                raise upstream_error(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {exc.details()}") from exc
+            if not port:
+                self._grpc_until = time.monotonic() + self.RETRY_S
+                return None
+            loop = asyncio.get_running_loop()
+            try:
+                async with asyncio.timeout(self.CONNECT_TIMEOUT_S):
+                    _, connection = await loop.create_connection(
+                        lambda: _FrameConnection(self.response_type, self.name),
+                        self.host,
+                        port,
+                        ssl=self._ssl,
+                        server_hostname=self.host if self._ssl else None,
+                    )
+                    connection.transport.write(self._hello)
+                    await connection.greeted
+            except (OSError, FrameError, TimeoutError) as exc:
+                log.warning(
+                    "%s: frames on %s:%d not usable (%s); calls go over the gRPC stream for %.0f s",
+                    self.name, self.host, port, exc or type(exc).__name__, self.RETRY_S,
+                )  # fmt: skip
+                self._grpc_until = time.monotonic() + self.RETRY_S
+                return None
+            log.info("%s: calls over frames on %s:%d", self.name, self.host, port)
+            self._connection = connection
+            return connection
+
+    async def close(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None and connection.transport is not None:
+            connection.transport.close()
+        await self.fallback.close()

@@ -11,8 +11,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.gateway.streams import StreamMux
+from services.gateway.streams import FrameMux, StreamMux
 from tandem import PROTOCOL_VERSION, __version__
+from tandem.frames import PROPOSE, VERIFY, client_ssl_context
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -58,6 +59,10 @@ class ChannelSecurity:
         """The shared token for streams, which the unary interceptor does not reach."""
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
+    def ssl_context(self):
+        """The same trust (and client certificate) for the frame transport; None for plaintext."""
+        return client_ssl_context(self.ca, self.cert, self.key)
+
     def open(self, address: str) -> grpc.aio.Channel:
         interceptors = [TokenMetadata(self.token)] if self.token else None
         if self.ca is None:
@@ -70,6 +75,32 @@ class ChannelSecurity:
             certificate_chain=self.cert.read_bytes() if self.cert else None,
         )
         return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors)
+
+
+def frame_host(address: str) -> str | None:
+    """The host of a `host:port` gRPC address (`[v6]:port` too); None for other targets (unix:, dns:///, ...)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "/" in host or host.startswith("unix"):
+        return None
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def with_frames(
+    mux: StreamMux, address: str, info: pb.InfoResponse, info_call, kind: int, response_type: type, security
+) -> StreamMux | FrameMux:
+    """Calls over the service's frame port where it offers one (tandem/frames.py), else over the stream `mux`."""
+    host = frame_host(address)
+    if host is None or not info.frame_port:
+        return mux
+    known = [info.frame_port]
+
+    async def locate() -> int:
+        """The service's frame port: the one Info told at start-up, then asked again (after a lost connection)."""
+        if known:
+            return known.pop()
+        return (await info_call(pb.InfoRequest(), timeout=5)).frame_port
+
+    return FrameMux(host, kind, response_type, locate, mux, security.ssl_context(), security.token)
 
 
 class IncompatibleDraft(RuntimeError):
@@ -182,8 +213,13 @@ class Upstreams:
 
 
 async def connect(
-    target_addr: str, draft_addr: str | None, timeout_s: float, security: ChannelSecurity | None = None
+    target_addr: str,
+    draft_addr: str | None,
+    timeout_s: float,
+    security: ChannelSecurity | None = None,
+    frames: bool = True,
 ) -> Upstreams:
+    """Connect to the services, wait until they serve, check them; Verify and Propose over frames where offered."""
     security = security or ChannelSecurity()
     channels = []
     target_channel = security.open(target_addr)
@@ -211,7 +247,14 @@ async def connect(
             target_info.device,
             f"{draft_info.drafter}:{draft_info.model_name} on {draft_info.device}" if draft_info else "none",
         )
-        return Upstreams(target, target_info, draft, draft_info, channels, stream_metadata=security.stream_metadata())
+        up = Upstreams(target, target_info, draft, draft_info, channels, stream_metadata=security.stream_metadata())
+        if frames:
+            args = (target_addr, target_info, target.Info, VERIFY, pb.VerifyResponse, security)
+            up.verify = with_frames(up.verify, *args)
+            if draft is not None:
+                args = (draft_addr, draft_info, draft.Info, PROPOSE, pb.ProposeResponse, security)
+                up.propose = with_frames(up.propose, *args)
+        return up
     except BaseException:
         for channel in channels:
             await channel.close()

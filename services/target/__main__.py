@@ -41,16 +41,18 @@ def build_target(
 
 async def serve_target(settings: TargetSettings, verifier_class: type[Verifier] | None = None) -> None:
     """Run the target service; `verifier_class` replaces the Verifier (benchmarks only)."""
-    from tandem.grpc_server import serve_service
+    from tandem.grpc_server import frame_offer, serve_service
     from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
     servicer, worker, load = build_target(settings, verifier_class)
+    servicer.frames = frame_offer(settings, servicer.frame_methods())
     await serve_service(
         settings,
         service_name="tandem.v1.Target",
         register=lambda server: pb_grpc.add_TargetServicer_to_server(servicer, server),
         load=load,
         periodic=servicer.expire_idle,
+        frames=servicer.frames,
     )
     worker.shutdown()
 

@@ -34,7 +34,8 @@ from tandem.convert import (
 )
 from tandem.cross_vocab import DraftTranslator, VocabularyText
 from tandem.errors import InvalidArgument, TandemError
-from tandem.grpc_server import ServiceLoading, stream_replies
+from tandem.frames import VERIFY, FrameMethod
+from tandem.grpc_server import FrameOffer, ServiceLoading, stream_replies
 from tandem.ngram import LookupRule
 from tandem.scheduler import Again, StepScheduler
 from tandem.v1 import tandem_pb2 as pb
@@ -137,6 +138,7 @@ class TargetServicer(pb_grpc.TargetServicer):
         self.worker = worker
         self.verifier: Verifier | None = None
         self.scheduler: StepScheduler | None = None
+        self.frames: FrameOffer | None = None  # set by the service's main when it serves frames (tandem/frames.py)
         self._background: set[asyncio.Task] = set()
         #: Multi-token plain calls in progress, by session: a call queued behind one (the gateway pipelines them)
         #: waits for it to end, or its first step would run between that call's steps, at the wrong position.
@@ -199,7 +201,11 @@ class TargetServicer(pb_grpc.TargetServicer):
         msg.capabilities.continues_rounds = True
         msg.capabilities.constraints = True
         msg.capabilities.translates_text = True
+        msg.frame_port = self.frames.bound if self.frames is not None else 0
         return msg
+
+    def frame_methods(self) -> dict[int, FrameMethod]:
+        return {VERIFY: FrameMethod(pb.VerifyRequest, pb.VerifyResponse, self.Verify, "/tandem.v1.Target/Verify")}
 
     async def GetVocabulary(self, request: pb.VocabularyRequest, context: grpc.aio.ServicerContext) -> pb.Vocabulary:
         v = self._ready()

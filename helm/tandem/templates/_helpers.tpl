@@ -200,11 +200,19 @@ spec:
               value: "0.0.0.0"
             - name: {{ $p }}PORT
               value: {{ $v.port | quote }}
+            # Verify/Propose over plain frames (tandem/frames.py): a fixed port, so the Service can carry it.
+            - name: {{ $p }}FRAME_PORT
+              value: {{ $v.framePort | quote }}
             {{- include "tandem.modelEnv" (dict "root" $root "component" $component "envPrefix" $p) | nindent 12 }}
           ports:
             - name: grpc
               containerPort: {{ $v.port }}
               protocol: TCP
+            {{- if ge (int $v.framePort) 1 }}
+            - name: frames
+              containerPort: {{ $v.framePort }}
+              protocol: TCP
+            {{- end }}
           # Native gRPC probes on grpc.health.v1: NOT_SERVING while the model loads, SERVING once it can answer.
           startupProbe:
             grpc:
@@ -288,6 +296,12 @@ spec:
       targetPort: grpc
       protocol: TCP
       appProtocol: kubernetes.io/h2c
+    {{- if ge (int $v.framePort) 1 }}
+    - name: frames
+      port: {{ $v.framePort }}
+      targetPort: frames
+      protocol: TCP
+    {{- end }}
 {{- end }}
 
 {{/*
