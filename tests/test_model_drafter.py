@@ -27,9 +27,9 @@ class CountingEngine:
         self._engine = engine
         self.passes: list[int] = []
 
-    def decode(self, items):
+    def decode(self, items, copy: bool = True):
         self.passes.append(sum(len(item.tokens) for item in items))
-        return self._engine.decode(items)
+        return self._engine.decode(items, copy=copy)
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)

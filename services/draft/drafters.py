@@ -268,8 +268,8 @@ class ModelDrafter(Drafter):
                 items.append(DecodeItem(session.seq_id, [token], len(session.kv_tokens), "last"))
                 session.kv_tokens.append(token)
                 still.append(i)
-            if items:
-                for i, r in zip(still, self.engine.decode(items), strict=True):
+            if items:  # views, not copies: each row is read before the next decode overwrites the buffer
+                for i, r in zip(still, self.engine.decode(items, copy=False), strict=True):
                     rows[i] = r[-1]
             active = still
         for i, grammar in grammars.items():  # the proposal was tentative: back to the committed tokens
