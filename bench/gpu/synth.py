@@ -146,9 +146,13 @@ def run_tandem_colocated(args, client, pair, target_path, draft_path, rows, dead
                 gw.stop()
 
 
-def run_tandem_target_in_gateway(args, client, pair, target_path, draft_path, rows, deadline, log_dir) -> None:
+def run_tandem_target_in_gateway(
+    args, client, pair, target_path, draft_path, rows, deadline, log_dir, mode: str = "target-in-gateway"
+) -> None:
     """The middle layout (`--colocate-target`): the target loaded into the gateway's process, the draft a gRPC service
-    in its own process (on the same GPU or the CPU)."""
+    in its own process (on the same GPU or the CPU). Mode `target-in-gateway-grpc`: Propose over the gRPC stream
+    instead of the draft's frame port (`--no-upstream-frames`), for an A/B of the transport."""
+    transport = ["--no-upstream-frames"] if mode.endswith("-grpc") else []
     target = settings_from_flags([*TARGET_FLAGS, "--no-prefix-cache"])
     target |= {"model": str(target_path), "flash_attn": args.flash_attn}
     env = {f"TANDEM_TARGET_{k.upper()}": v for k, v in target.items()}
@@ -156,7 +160,7 @@ def run_tandem_target_in_gateway(args, client, pair, target_path, draft_path, ro
         base = None
         for placement in args.placements:
             if time.monotonic() > deadline:
-                rows.append({"engine": "tandem", "mode": "target-in-gateway", "pair": pair, "L": length,
+                rows.append({"engine": "tandem", "mode": mode, "pair": pair, "L": length,
                              "draft_on": placement, "skipped": "deadline"})  # fmt: skip
                 continue
             draft = start_model_service(
@@ -166,14 +170,13 @@ def run_tandem_target_in_gateway(args, client, pair, target_path, draft_path, ro
                 log_dir, timeout=600,
             )  # fmt: skip
             try:
-                log(f"{pair}: target-in-gateway L={length}, draft on {placement} ...")
+                log(f"{pair}: {mode} L={length}, draft on {placement} ...")
                 gw = start_gateway(
                     "in-process", draft.address, log_dir, "--synth-len", str(length), "--colocated-gateway", "target",
-                    timeout=900, module="bench.synthetic_target", env=env,
+                    *transport, timeout=900, module="bench.synthetic_target", env=env,
                 )  # fmt: skip
                 try:  # overlap is a request key (speculative.overlap): one target load serves both
                     gateways = {"on": gw, "off": gw}
-                    mode = "target-in-gateway"
                     base = measure_tandem(args, client, pair, placement, length, gateways, base, rows, mode)
                 finally:
                     gw.stop()
@@ -319,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modes", default="services",
         help="tandem's deployments, comma-separated: services (draft, target and gateway as processes, gRPC between"
-        " them), target-in-gateway (the target inside the gateway's process, the draft a service: --colocate-target),"
+        " them), target-in-gateway (the target inside the gateway's process, the draft a service: --colocate-target;"
+        " target-in-gateway-grpc: the same with Propose over gRPC, not frames),"
         " co-located (both models inside the gateway's process: services.gateway --colocate)",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
@@ -350,8 +354,9 @@ def main(argv: list[str] | None = None) -> int:
                 paths = args.models / f"{target_shape}.gguf", args.models / f"{draft_shape}.gguf"
                 if args.only != "peer" and "services" in args.modes:
                     run_tandem(args, client, pair, *paths, rows, deadline, log_dir)
-                if args.only != "peer" and "target-in-gateway" in args.modes:
-                    run_tandem_target_in_gateway(args, client, pair, *paths, rows, deadline, log_dir)
+                for mode in ("target-in-gateway", "target-in-gateway-grpc"):
+                    if args.only != "peer" and mode in args.modes:
+                        run_tandem_target_in_gateway(args, client, pair, *paths, rows, deadline, log_dir, mode)
                 if args.only != "peer" and "co-located" in args.modes:
                     run_tandem_colocated(args, client, pair, *paths, rows, deadline, log_dir)
                 if args.peer and args.only != "tandem":
