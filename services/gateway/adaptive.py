@@ -38,6 +38,11 @@ SIZE_TRUSTED = 3  # observations of a size before its own measurement replaces t
 # Mean sessions per target step from which rounds are priced at the batch (`CostModel.loaded`): a session's share of a
 # step is then its own tokens' cost plus its part of the fixed cost, and a plain token is priced the same way.
 LOADED_SEQUENCES = 1.5
+# Under load a round must beat plain decoding by this factor as priced. The price is a model (a fitted line, a lone
+# round's overhead) and under load it errs towards drafting: chat's lookup drafts, accepted 87% of the time and priced
+# ~10% ahead of plain tokens, ran 8 streams at 0.84-0.98x of not drafting (2026-12-06). Copied text (~97% accepted)
+# clears it by far; alone the draft amortises the whole fixed step and needs no margin.
+LOADED_DRAFT_MARGIN = 1.15
 
 
 @dataclass
@@ -245,7 +250,7 @@ class CostModel:
             overhead = self.overhead_alone_ns
         else:
             overhead = (self.overhead_ns or 0.0) / self.sequences
-        return share + overhead + self.draft_token_ns * k
+        return (share + overhead + self.draft_token_ns * k) * LOADED_DRAFT_MARGIN
 
     def round_costs(self, max_k: int, priced_alone: bool = False) -> list[float] | None:
         """`round_ns(k, priced_alone)` for k = 0..max_k, or None while any of them is unknown."""
