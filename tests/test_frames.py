@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import uuid
 
 import grpc
 import httpx
@@ -18,16 +17,7 @@ from tandem.launch import free_port, start_model_service
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tests.conftest import Service, start_gateway
-
-GREEDY = pb.SamplingParams(temperature=0.0)
-
-
-async def _open(stub: pb_grpc.TargetStub, prompt: list[int]) -> tuple[str, int]:
-    sid = uuid.uuid4().hex
-    reply = await stub.Open(
-        pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)])
-    )
-    return sid, reply.results[0].position
+from tests.test_streams import _open, decode_steps
 
 
 async def _verify_mux(stub: pb_grpc.TargetStub, address: str) -> StreamMux | FrameMux:
@@ -64,30 +54,13 @@ def test_concurrent_calls_over_frames_get_their_own_answers(target: Service) -> 
             assert isinstance(mux, FrameMux)  # the target offers frames by default
             sessions = [await _open(stub, [1, 504, 2573, 1244 + i]) for i in range(3)]
 
-            async def decode(sid: str, pos: int) -> list[int]:
-                out = []
-                for _ in range(4):
-                    reply = await mux.call(
-                        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos)]), timeout=30
-                    )
-                    out.append(reply.results[0].tokens[0].id)
-                    pos = reply.results[0].position
-                return out
-
-            together = await asyncio.gather(*(decode(sid, pos) for sid, pos in sessions))
+            together = await asyncio.gather(*(decode_steps(mux, sid, pos) for sid, pos in sessions))
             assert mux.on_frames
             stream = StreamMux(stub.VerifyStream, "target")  # each session alone, over the gRPC stream
             for i, tokens in enumerate(together):
                 sid, pos = await _open(stub, [1, 504, 2573, 1244 + i])
                 sessions.append((sid, pos))
-                out = []
-                for _ in range(4):
-                    reply = await stream.call(
-                        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos)]), timeout=30
-                    )
-                    out.append(reply.results[0].tokens[0].id)
-                    pos = reply.results[0].position
-                assert out == tokens
+                assert await decode_steps(stream, sid, pos) == tokens
             await stub.Close(pb.CloseRequest(session_ids=[sid for sid, _ in sessions]))
             with pytest.raises(grpc.aio.AioRpcError) as info:  # an in-band error status, raised as a call's error
                 await mux.call(pb.VerifyRequest(items=[pb.VerifyItem(session_id="nope", position=1)]), timeout=30)

@@ -26,6 +26,16 @@ async def _open(stub: pb_grpc.TargetStub, prompt: list[int]) -> tuple[str, int]:
     return sid, reply.results[0].position
 
 
+async def decode_steps(mux, sid: str, pos: int, steps: int = 4) -> list[int]:
+    """`steps` target-only tokens of session `sid` from `pos`, one Verify call each through `mux` (any mux)."""
+    out = []
+    for _ in range(steps):
+        reply = await mux.call(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos)]), timeout=30)
+        out.append(reply.results[0].tokens[0].id)
+        pos = reply.results[0].position
+    return out
+
+
 def test_concurrent_calls_share_one_stream(target: Service) -> None:
     async def main() -> None:
         async with grpc.aio.insecure_channel(target.address) as channel:
@@ -33,22 +43,12 @@ def test_concurrent_calls_share_one_stream(target: Service) -> None:
             mux = StreamMux(stub.VerifyStream, "target")
             sessions = [await _open(stub, [1, 504, 2573, 1244 + i]) for i in range(3)]
 
-            async def decode(sid: str, pos: int) -> list[int]:
-                out = []
-                for _ in range(4):
-                    reply = await mux.call(
-                        pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos)]), timeout=30
-                    )
-                    out.append(reply.results[0].tokens[0].id)
-                    pos = reply.results[0].position
-                return out
-
-            together = await asyncio.gather(*(decode(sid, pos) for sid, pos in sessions))
+            together = await asyncio.gather(*(decode_steps(mux, sid, pos) for sid, pos in sessions))
             # Each session alone gives the same tokens: calls did not get mixed up between sessions.
             for i, tokens in enumerate(together):
                 sid, pos = await _open(stub, [1, 504, 2573, 1244 + i])
                 sessions.append((sid, pos))
-                assert await decode(sid, pos) == tokens
+                assert await decode_steps(mux, sid, pos) == tokens
             closed = await stub.Close(pb.CloseRequest(session_ids=[sid for sid, _ in sessions]))
             assert closed.closed == len(sessions)
             with pytest.raises(grpc.aio.AioRpcError) as info:
