@@ -49,9 +49,14 @@ class _Stream:
 
     def fail(self, name: str, reason: str) -> None:
         pending, self.pending = self.pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(upstream_error(grpc.StatusCode.UNAVAILABLE, f"{name}: {reason}"))
+        _fail_pending(pending, name, reason)
+
+
+def _fail_pending(pending: dict[int, asyncio.Future], name: str, reason: object) -> None:
+    """Fail the calls waiting on a broken stream or connection with UNAVAILABLE (the next call opens a new one)."""
+    for future in pending.values():
+        if not future.done():
+            future.set_exception(upstream_error(grpc.StatusCode.UNAVAILABLE, f"{name}: {reason}"))
 
 
 def _checked(response: Any) -> Any:
@@ -185,9 +190,7 @@ class _FrameConnection(asyncio.Protocol):
         if not self.greeted.done():
             self.greeted.set_exception(exc if isinstance(exc, (FrameError, OSError)) else FrameError(str(exc)))
         pending, self.pending = self.pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(upstream_error(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {exc}"))
+        _fail_pending(pending, self.name, exc)
 
 
 class FrameMux:
