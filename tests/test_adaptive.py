@@ -15,7 +15,7 @@ from services.gateway.adaptive import (
     MatchLengthPolicy,
     worth_drafting_ahead,
 )
-from tandem.ngram import LookupRule, NgramIndex
+from tandem.ngram import MATCH_CAP, LookupRule, NgramIndex
 
 
 def costs_with(fixed_ms: float, per_token_ms: float, sequences: int = 1, overhead_ms: float = 0.0) -> CostModel:
@@ -340,6 +340,30 @@ def test_lookup_rule_keeps_what_the_match_policy_keeps() -> None:
         for match_len in (2, 3, 5, 9, 17, 32):
             for available in range(0, 17):
                 assert rule.keep(match_len, available) == policy.best_k(match_len, available), (trial, match_len)
+
+
+def test_shortest_kept_match_is_the_first_match_best_k_drafts_behind() -> None:
+    """The stretch's repeat floor, priced once for all match lengths, is the match length that asking `best_k` at
+    each length finds first: alone and under load, with learned rates, for every cap and minimum draft."""
+    rng = random.Random(11)
+    found = set()
+    for trial in range(300):
+        sequences = rng.choice([1, 1, 4, 8])
+        costs = costs_with(rng.uniform(5, 20), rng.uniform(0.5, 6), sequences, overhead_ms=rng.uniform(0, 3))
+        if trial % 3 == 0:
+            costs.observe_plain_token(rng.uniform(5, 25) * 1e6)
+        policy = MatchLengthPolicy(costs if trial % 7 else CostModel(), n_min=rng.choice([0, 1, 2, 3]))
+        for _ in range(rng.randrange(80)):
+            drafted = rng.randrange(1, 9)
+            policy.choose(match_len=rng.randrange(2, 40), available=drafted)
+            policy.observe(drafted, rng.randrange(drafted + 1) if trial % 2 else drafted)
+        lo = max(policy.n_min, 1)
+        for cap in (0, 1, 2, 4, 8, 16, 32):
+            for first in (lo + 1, 3, 6, 20):
+                expected = next((m for m in range(first, MATCH_CAP + 1) if policy.best_k(m, min(cap, m - 1)) >= lo), 0)
+                assert policy.shortest_kept_match(first, cap) == expected, (trial, cap, first)
+                found.add(expected)
+    assert 0 in found and len(found) > 4  # the cases reach no floor, the first length and longer ones
 
 
 def test_lookup_rule_checks_its_fields_and_caps_drafts() -> None:

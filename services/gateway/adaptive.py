@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from tandem.ngram import MATCH_BUCKETS, best_draft_length, match_bucket
+from tandem.ngram import MATCH_BUCKETS, MATCH_CAP, best_draft_length, match_bucket, shortest_kept_match
 
 PRIOR_RATE = 0.5  # acceptance assumed at a position before anything is observed
 PRIOR_WEIGHT = 2.0  # ... worth this many observations
@@ -215,9 +215,12 @@ class CostModel:
         whose prior already trusts long matches."""
         if self.loaded:
             return self.loaded_round_ns(k)
+        return self._alone_round_ns(k, priced_alone, self.line())
+
+    def _alone_round_ns(self, k: int, priced_alone: bool, line: tuple[float, float] | None) -> float | None:
+        """`round_ns` for a session stepping (nearly) alone, with the line computed by the caller."""
         overhead = self.overhead_ns or 0.0
-        line = self.line()
-        if priced_alone or line is not None:  # not loaded: this session steps (nearly) alone
+        if priced_alone or line is not None:
             measured = self.lone_step_ns(k + 1) if priced_alone else self.step_ns(k + 1)
             if measured is not None:
                 return measured + overhead + self.draft_token_ns * k
@@ -239,22 +242,32 @@ class CostModel:
         tokens. The fixed cost then amortises over the batch rather than over the draft, as vLLM's rule of drafting
         nothing past a batch size assumes, but measured. The slope is the one last identified if recent steps all
         had one size (a full batch of plain decoding keeps its size)."""
+        costs = self._loaded_costs(k)
+        return None if costs is None else costs[k]
+
+    def _loaded_costs(self, max_k: int) -> list[float] | None:
+        """`loaded_round_ns(k)` for k = 0..max_k, the line computed once."""
         line = self.line(remembered=True)
         if line is None:
             return None
         fixed, per_token = line
-        share = fixed / self.sequences + per_token * (k + 1)
-        if k == 0:
-            return share
+        part = fixed / self.sequences
         if self.overhead_alone_ns is not None:
             overhead = self.overhead_alone_ns
         else:
             overhead = (self.overhead_ns or 0.0) / self.sequences
-        return (share + overhead + self.draft_token_ns * k) * LOADED_DRAFT_MARGIN
+        drafted = [
+            (part + per_token * (k + 1) + overhead + self.draft_token_ns * k) * LOADED_DRAFT_MARGIN
+            for k in range(1, max_k + 1)
+        ]
+        return [part + per_token, *drafted]
 
     def round_costs(self, max_k: int, priced_alone: bool = False) -> list[float] | None:
         """`round_ns(k, priced_alone)` for k = 0..max_k, or None while any of them is unknown."""
-        costs = [self.round_ns(k, priced_alone) for k in range(max_k + 1)]
+        if self.loaded:
+            return self._loaded_costs(max_k)
+        line = self.line()  # once: it sums the fit (~1.5 us), and a lookup's floor prices up to 33 rounds per call
+        costs = [self._alone_round_ns(k, priced_alone, line) for k in range(max_k + 1)]
         return None if any(c is None for c in costs) else costs  # type: ignore[return-value]
 
 
@@ -453,6 +466,20 @@ class MatchLengthPolicy:
         if priced is None:
             return available  # cost curve not known yet: the drafter's own rule (and the fit sees varied step sizes)
         return best_draft_length(match_len, available, self.n_min, *priced)
+
+    def shortest_kept_match(self, first: int, cap: int) -> int:
+        """The shortest match length from `first` behind which a round would send a draft of at most
+        min(cap, m - 1) tokens (0: none up to MATCH_CAP): `best_k(m, min(cap, m - 1)) >= n_min` for the first such m,
+        with the rounds priced once."""
+        lo = max(self.n_min, 1)
+        if cap < lo:
+            return 0
+        if first <= MATCH_CAP and self.best_k(first, min(cap, first - 1)) >= lo:
+            return first  # the common case alone, where the priors trust long matches: priced for one length
+        priced = self.pricing(cap)
+        if priced is None:  # every proposal is kept whole: the first match long enough to draft lo tokens
+            return next((m for m in range(first, MATCH_CAP + 1) if min(cap, m - 1) >= lo), 0)
+        return shortest_kept_match(first, cap, self.n_min, *priced)
 
     def pricing(self, max_draft: int) -> tuple[tuple[float, ...], list[float], float] | None:
         """What `best_draft_length` weighs with: the rate by match bucket, the cost of a round with 0..max_draft

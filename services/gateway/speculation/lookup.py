@@ -355,8 +355,8 @@ class LookupStrategy:
     def repeat_floor(self) -> int:
         """The shortest suffix match the lookup would draft behind from here on (0: none), for `stop_at_repeat`.
 
-        A draft needs a match of m tokens with `keeps(m, drafted)` for drafted <= min(cap, m - 1), and keeping is
-        monotone in `drafted`, so no shorter match can draft in the next call."""
+        A draft needs a match of m tokens that the match policy keeps a draft behind (`best_k(m, drafted) >= lo` for
+        drafted <= min(cap, m - 1)), so no shorter match can draft in the next call."""
         req = self.ctx.req
         cap = min(req.n_max, self.ctx.room - 1)
         lo = max(req.n_min, 1)
@@ -365,18 +365,11 @@ class LookupStrategy:
         if not self.local and self.match_policy is None:
             return self.service_repeat  # the service's own rule; shorter matches never draft there
         # An m-token match drafts at most m - 1 tokens, so it takes lo + 1 to draft lo.
-        for m in range(max(self.shortest_match(), lo + 1), MATCH_CAP + 1):
-            if self.keeps(m, min(cap, m - 1)):
-                return m
-        return 0
+        first = max(self.shortest_match(), lo + 1)
+        if self.match_policy is not None:
+            return self.match_policy.shortest_kept_match(first, cap)
+        return first if first <= MATCH_CAP else 0
 
     def ends_with_repeat(self, n: int) -> bool:
         """The target's `stop_at_repeat` test on this request's sequence."""
         return n > 0 and self.repeats.ends_with_repeat(self.sequence_so_far(), n)
-
-    def keeps(self, match_len: int, drafted: int) -> bool:
-        """Whether a round would send a lookup draft of `drafted` tokens behind a `match_len`-token match."""
-        lo = max(self.ctx.req.n_min, 1)
-        if self.match_policy is not None:
-            return self.match_policy.best_k(match_len, drafted) >= lo
-        return drafted >= lo
