@@ -18,6 +18,8 @@ request that stopped drafting can start again.
 from __future__ import annotations
 
 import bisect
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.ngram import MATCH_BUCKETS, MATCH_CAP, best_draft_length, match_bucket, shortest_kept_match
@@ -75,6 +77,8 @@ class CostModel:
     # The sizes of `_by_size` measured often enough to trust (`step_ns`), ascending: kept as they become trusted, not
     # sorted per call (pricing a lookup's 33 round sizes sorted them 33 times, ~47 us a Verify call of a stretch).
     _trusted_sizes: list[int] = field(default_factory=list)
+    # Not a cost, but learned here for the same reason: what this deployment measured, shared by its requests.
+    match_prior: MatchPrior = field(default_factory=lambda: MatchPrior())
 
     def observe_verify(self, step_tokens: int, step_sequences: int, forward_ns: int) -> None:
         if step_tokens <= 0 or forward_ns <= 0:
@@ -133,8 +137,21 @@ class CostModel:
         if w <= 0 or self._slope is None or (not remembered and self._step_variance() < MIN_STEP_VARIANCE):
             return None
         mean_y, mean_x = y / w, x / w
-        slope = min(max(self._slope, 0.0), mean_y / mean_x)  # keep it physical: 0 <= slope, fixed cost >= 0
+        # Keep it physical: fixed cost >= 0, and a token costs at least what one more token costs a step alone.
+        slope = min(max(self._slope, self.lone_token_ns()), mean_y / mean_x)
         return mean_y - slope * mean_x, slope
+
+    def lone_token_ns(self) -> float:
+        """What one more token costs a step of one sequence, between the two largest sizes measured alone (0: fewer
+        than two): a floor for the line's slope. Batched steps at 16 streams vary by a token or two against a host's
+        noise of milliseconds, and their fit put the slope at 0 (2026-12-06, the 2-core CPU: a 93 ms intercept): every
+        draft looked free, and json drafted 15 tokens a round behind its priors. A token added to a batch costs at
+        least what it costs alone at the largest sizes (compute-bound there on a CPU; on a GPU both are small)."""
+        sizes = self._trusted_sizes
+        if len(sizes) < 2:
+            return 0.0
+        a, b = sizes[-2], sizes[-1]
+        return max((self._by_size[b][0] - self._by_size[a][0]) / (b - a), 0.0)
 
     def drafting_can_pay(self) -> bool | None:
         """Whether some draft length beats plain decoding even if every draft token is accepted (None: costs not
@@ -418,6 +435,59 @@ def worth_following_up(tracker: AcceptanceTracker) -> bool:
 PRIOR_MISS = 0.125  # prior: a position continuing an n-token match is rejected with probability PRIOR_MISS / n
 
 
+# The deployment's record of lookup rounds fades by half every this many seconds: recent text decides, and where
+# drafting stopped everywhere (nothing new to learn from) the fixed prior is back within minutes, so requests try again.
+MATCH_PRIOR_HALF_LIFE_S = 60.0
+
+
+@dataclass
+class MatchPrior:
+    """The deployment's acceptance of lookup drafts by match bucket, over every request's rounds: the prior of each
+    request's `MatchLengthPolicy`, which its own rounds then outweigh.
+
+    A fixed prior trusts long matches (a 16-token match: 99.2% a position), and a request of 128-256 tokens makes
+    only a few lookup rounds: at 16 streams of json, ~2 rounds a request were drafted on that prior alone (~55%
+    accepted), against a price that under load pays only near the prior's rate (2026-12-06). Learned across requests,
+    the prior is the rate this deployment's text has been getting, and the fixed one where it has none recently.
+    """
+
+    reached: list[float] = field(default_factory=lambda: [0.0] * len(MATCH_BUCKETS))
+    accepted: list[float] = field(default_factory=lambda: [0.0] * len(MATCH_BUCKETS))
+    clock: Callable[[], float] = time.monotonic
+    _faded_at: float | None = None
+
+    def _fade(self) -> float:
+        """Fades the record to now; the factor by which it faded."""
+        now = self.clock()
+        last, self._faded_at = self._faded_at, now
+        if last is None or now <= last:
+            return 1.0
+        factor = 0.5 ** ((now - last) / MATCH_PRIOR_HALF_LIFE_S)
+        self.reached = [r * factor for r in self.reached]
+        self.accepted = [a * factor for a in self.accepted]
+        return factor
+
+    def rates(self) -> tuple[float, ...]:
+        """P(a draft position is accepted) by match bucket, as this deployment's recent rounds and the fixed prior
+        say together."""
+        self._fade()
+        return tuple(
+            (a + (1.0 - PRIOR_MISS / m) * PRIOR_WEIGHT) / (r + PRIOR_WEIGHT)
+            for a, r, m in zip(self.accepted, self.reached, MATCH_BUCKETS, strict=True)
+        )
+
+    def observe(self, match_len: int, drafted: int, accepted: int) -> None:
+        """A round that drafted `drafted` tokens behind a `match_len`-token match and had `accepted` of them taken."""
+        if drafted <= 0:
+            return
+        self._fade()
+        for i in range(min(drafted, accepted + 1)):
+            b = match_bucket(match_len + i)
+            self.reached[b] += 1
+            if i < accepted:
+                self.accepted[b] += 1
+
+
 @dataclass
 class MatchLengthPolicy:
     """Adaptive k for prompt lookup, whose drafts come with a confidence: the length of the match behind them.
@@ -445,12 +515,13 @@ class MatchLengthPolicy:
         """Estimated P(a draft position continuing an n-token match is accepted)."""
         return self._bucket_rate(match_bucket(n))
 
-    def _bucket_rate(self, b: int) -> float:
-        prior = 1.0 - PRIOR_MISS / MATCH_BUCKETS[b]
+    def _bucket_rate(self, b: int, priors: tuple[float, ...] | None = None) -> float:
+        prior = (priors or self.costs.match_prior.rates())[b]
         return (self.accepted[b] + prior * PRIOR_WEIGHT) / (self.reached[b] + PRIOR_WEIGHT)
 
     def bucket_rates(self) -> tuple[float, ...]:
-        return tuple(self._bucket_rate(b) for b in range(len(MATCH_BUCKETS)))
+        priors = self.costs.match_prior.rates()
+        return tuple(self._bucket_rate(b, priors) for b in range(len(MATCH_BUCKETS)))
 
     def choose(self, match_len: int, available: int) -> int:
         """How many of the `available` proposed tokens (behind a `match_len`-token match) to send this round."""
@@ -495,7 +566,9 @@ class MatchLengthPolicy:
         self.observe(drafted, accepted)
 
     def observe(self, drafted: int, accepted: int) -> None:
-        """One round's outcome (every round, drafted or not: the decay runs per round)."""
+        """One round's outcome (every round, drafted or not: the decay runs per round); a drafted one also informs
+        the deployment's prior."""
+        self.costs.match_prior.observe(self._match, drafted, accepted)
         for b in range(len(MATCH_BUCKETS)):
             self.reached[b] *= DECAY
             self.accepted[b] *= DECAY
