@@ -7,6 +7,7 @@
 #          install the wheels the image lacks; build llama.cpp's llama-server with CUDA
 #   bench  (carry .gpu/model.part-ac tandem/v1)
 #          join the model, check device pinning with nvidia-smi, run the benchmark harness unchanged, results to $OUT
+#   (or `wheels` instead of `peer`, then `concurrency`: speculation on and off under load, target on the GPU)
 set -euo pipefail
 STAGE=$1
 W=/tmp/tandem-gpu
@@ -74,6 +75,18 @@ bench)
     --label "NVIDIA H200 (1 GPU, 16 cores), SmolLM2-135M Q4_1, target on GPU 0" 2>&1 | grep -v '^bench:' | tee "$OUT/bench.txt"
   cp "$OUT/results/results.json" "$OUT/results/table.md" "$OUT/results/"*.png "$OUT/" 2>/dev/null || true
   rm -rf "$OUT/results"
+  ;;
+concurrency)
+  # Speculation under load on the GPU (issue 42): the `make run` stack (the n-gram draft service) with the target on
+  # GPU 0, c concurrent streams with speculation on and off (bench/concurrency.py). After `build` (carry
+  # .gpu/llama-cpp-python.tar.gz .gpu/model.part-aa) and `wheels` (carry .gpu/wheels .gpu/model.part-ab tandem/v1) in
+  # this lease; carry .gpu/model.part-ac tandem/v1.
+  cat "$W"/model.part-* > "$W/model.gguf"
+  echo "model sha256 $(sha256sum "$W/model.gguf" | cut -c1-16) (expected $(cut -c1-16 .gpu/model.sha256 2>/dev/null || echo ?))"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  python3 -m bench --model "$W/model.gguf" --target-args "--n-gpu-layers -1 --device cuda:0 --n-threads 4" \
+    ${BENCH_ARGS:---concurrency 1,2,4,8,16 --workloads edit,chat,json --reps 2 --per-stream 2} \
+    --out "$OUT/concurrency" 2>&1 | tee "$OUT/concurrency.txt"
   ;;
 bench-x2)
   # 2-GPU machine: target on GPU 0; model draft on the CPU, on GPU 0 and on GPU 1 (no peer: see the bench stage).

@@ -45,6 +45,12 @@ LOADED_SEQUENCES = 1.5
 # ~10% ahead of plain tokens, ran 8 streams at 0.84-0.98x of not drafting (2026-12-06). Copied text (~97% accepted)
 # clears it by far; alone the draft amortises the whole fixed step and needs no margin.
 LOADED_DRAFT_MARGIN = 1.15
+# The line's slope is at least this part of what a token costs a step alone (`CostModel.lone_token_ns`). Batched
+# steps at 16 streams vary by a token or two against a host's noise of milliseconds, and their fit put the slope at 0
+# (the 2-core CPU, 2026-12-06: a 93 ms intercept): every draft looked free, and json drafted 15 tokens a round on
+# its priors. Sane batched fits there gave 2.3-2.75 ms a token against 4.5 ms alone (a batch computes a token more
+# cheaply); floored at the whole 4.5 ms, code edits under load lost most of their gain (1.00-1.09x at 8-16 streams).
+BATCHED_TOKEN_FLOOR = 0.5
 
 
 @dataclass
@@ -137,16 +143,13 @@ class CostModel:
         if w <= 0 or self._slope is None or (not remembered and self._step_variance() < MIN_STEP_VARIANCE):
             return None
         mean_y, mean_x = y / w, x / w
-        # Keep it physical: fixed cost >= 0, and a token costs at least what one more token costs a step alone.
-        slope = min(max(self._slope, self.lone_token_ns()), mean_y / mean_x)
+        # Keep it physical: fixed cost >= 0, and a token costs a batch at least a part of what it costs a step alone.
+        slope = min(max(self._slope, BATCHED_TOKEN_FLOOR * self.lone_token_ns()), mean_y / mean_x)
         return mean_y - slope * mean_x, slope
 
     def lone_token_ns(self) -> float:
         """What one more token costs a step of one sequence, between the two largest sizes measured alone (0: fewer
-        than two): a floor for the line's slope. Batched steps at 16 streams vary by a token or two against a host's
-        noise of milliseconds, and their fit put the slope at 0 (2026-12-06, the 2-core CPU: a 93 ms intercept): every
-        draft looked free, and json drafted 15 tokens a round behind its priors. A token added to a batch costs at
-        least what it costs alone at the largest sizes (compute-bound there on a CPU; on a GPU both are small)."""
+        than two); `BATCHED_TOKEN_FLOOR` of it floors the line's slope."""
         sizes = self._trusted_sizes
         if len(sizes) < 2:
             return 0.0
@@ -435,6 +438,7 @@ def worth_following_up(tracker: AcceptanceTracker) -> bool:
 PRIOR_MISS = 0.125  # prior: a position continuing an n-token match is rejected with probability PRIOR_MISS / n
 
 
+FIXED_PRIORS = tuple(1.0 - PRIOR_MISS / m for m in MATCH_BUCKETS)
 # The deployment's record of lookup rounds fades by half every this many seconds: recent text decides, and where
 # drafting stopped everywhere (nothing new to learn from) the fixed prior is back within minutes, so requests try again.
 MATCH_PRIOR_HALF_LIFE_S = 60.0
@@ -516,12 +520,20 @@ class MatchLengthPolicy:
         return self._bucket_rate(match_bucket(n))
 
     def _bucket_rate(self, b: int, priors: tuple[float, ...] | None = None) -> float:
-        prior = (priors or self.costs.match_prior.rates())[b]
+        prior = (priors or self._priors())[b]
         return (self.accepted[b] + prior * PRIOR_WEIGHT) / (self.reached[b] + PRIOR_WEIGHT)
 
     def bucket_rates(self) -> tuple[float, ...]:
-        priors = self.costs.match_prior.rates()
+        priors = self._priors()
         return tuple(self._bucket_rate(b, priors) for b in range(len(MATCH_BUCKETS)))
+
+    def _priors(self) -> tuple[float, ...]:
+        """Under load the deployment's recent acceptance by bucket (`MatchPrior`): a draft there slows every session
+        in the step, and must pay on evidence. Alone, the fixed prior: a wrong guess costs one round of one request,
+        and trying long matches is how a request finds text it copies."""
+        if self.costs.loaded:
+            return self.costs.match_prior.rates()
+        return FIXED_PRIORS
 
     def choose(self, match_len: int, available: int) -> int:
         """How many of the `available` proposed tokens (behind a `match_len`-token match) to send this round."""
