@@ -5,14 +5,16 @@ gateway's `--max-concurrent` and the target's session slots raised to the larges
 each concurrency c, c streams start together, each answering the workload's prompts in turn (shifted per stream),
 first with speculation off (`"speculative.n_max": 0`) then on (the defaults), alternating which goes first per
 repetition, after one untimed prefill of each of the level's prompts (`warm`); aggregate tok/s = completion tokens /
-wall time of the c streams. The goal (issue 42): on / off >= 1 at every concurrency. Writes concurrency.json,
-concurrency.md and concurrency.png under --out.
+wall time of the c streams. Each sample also records the CPU seconds each process spent and the gateway's drafted and
+accepted tokens and target calls (concurrency.json, `samples`). The goal (issue 42): on / off >= 1 at every
+concurrency. Writes concurrency.json, concurrency.md and concurrency.png under --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -23,10 +25,12 @@ from pathlib import Path
 import httpx
 
 from bench.harness import Stack
+from bench.procstat import cpu_ticks
 from bench.workloads import Workload, workloads
 from tandem.launch import start_gateway, start_model_service
 
 MODES = {"off": {"speculative.n_max": 0}, "on": {}}
+TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _stream(url: str, workload: Workload, prompts: list[str], max_tokens: int, mode: dict) -> int:
@@ -70,6 +74,26 @@ def measure(url: str, workload: Workload, streams: int, per_stream: int, max_tok
     return tokens / (time.perf_counter() - t0)
 
 
+# What each sample records besides tok/s (from the gateway's /metrics): where a mode's time went.
+METRICS = {
+    "drafted": "tandem_spec_decode_num_draft_tokens_total",
+    "accepted": "tandem_spec_decode_num_accepted_tokens_total",
+    "target_calls": 'tandem_upstream_calls_total{service="target"}',
+}
+
+
+def snapshot(url: str, pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds of each process so far and the gateway's counters: on the 2-core CPU the gateway's Python competes
+    with the target's forward passes, and CPU time shows it where tok/s swings with the host (decision 0018)."""
+    out = {f"{name}_cpu_s": cpu_ticks(f"/proc/{pid}/stat") / TICKS for name, pid in pids.items()}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        for key, metric in METRICS.items():
+            if name == metric:
+                out[key] = float(value)
+    return out
+
+
 def main(args: argparse.Namespace) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     loads = workloads(quick=False)
@@ -95,20 +119,26 @@ def main(args: argparse.Namespace) -> int:
         gateway_args = ["--max-concurrent", str(top), *shlex.split(args.gateway_args)]
         gateway = start_gateway(target.address, draft.address, out / "logs", *gateway_args)
         stack.processes.append(gateway)
+        pids = {"target": target.pid, "draft": draft.pid, "gateway": gateway.pid}
         measure(gateway.address, loads[0], 1, 1, 8, {})  # warm-up
         for workload in loads:
             for c in levels:
                 samples: dict[str, list[float]] = {"off": [], "on": []}
                 warm(gateway.address, workload, c, args.per_stream)
+                details = []
                 for rep in range(args.reps):
                     order = ("off", "on") if rep % 2 == 0 else ("on", "off")
                     for name in order:
+                        before = snapshot(gateway.address, pids)
                         tok_s = measure(gateway.address, workload, c, args.per_stream, args.max_tokens, MODES[name])
+                        after = snapshot(gateway.address, pids)
+                        spent = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()}
                         samples[name].append(tok_s)
-                        print(f"{workload.name} c={c} {name}: {tok_s:.1f} tok/s", file=sys.stderr, flush=True)
+                        details.append({"mode": name, "tok_s": round(tok_s, 1), **spent})
+                        print(f"{workload.name} c={c} {name}: {tok_s:.1f} tok/s {spent}", file=sys.stderr, flush=True)
                 off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
                 row = {"workload": workload.name, "concurrency": c, "off_tok_s": round(off, 1)}
-                rows.append({**row, "on_tok_s": round(on, 1), "ratio": round(on / off, 3)})
+                rows.append({**row, "on_tok_s": round(on, 1), "ratio": round(on / off, 3), "samples": details})
     finally:
         stack.stop()
     meta = {
