@@ -460,16 +460,15 @@ class MatchPrior:
     clock: Callable[[], float] = time.monotonic
     _faded_at: float | None = None
 
-    def _fade(self) -> float:
-        """Fades the record to now; the factor by which it faded."""
+    def _fade(self) -> None:
+        """Fades the record to now."""
         now = self.clock()
         last, self._faded_at = self._faded_at, now
         if last is None or now <= last:
-            return 1.0
+            return
         factor = 0.5 ** ((now - last) / MATCH_PRIOR_HALF_LIFE_S)
         self.reached = [r * factor for r in self.reached]
         self.accepted = [a * factor for a in self.accepted]
-        return factor
 
     def rates(self) -> tuple[float, ...]:
         """P(a draft position is accepted) by match bucket, as this deployment's recent rounds and the fixed prior
