@@ -475,8 +475,8 @@ class MatchPrior:
         say together."""
         self._fade()
         return tuple(
-            (a + (1.0 - PRIOR_MISS / m) * PRIOR_WEIGHT) / (r + PRIOR_WEIGHT)
-            for a, r, m in zip(self.accepted, self.reached, MATCH_BUCKETS, strict=True)
+            (a + fixed * PRIOR_WEIGHT) / (r + PRIOR_WEIGHT)
+            for a, r, fixed in zip(self.accepted, self.reached, FIXED_PRIORS, strict=True)
         )
 
     def observe(self, match_len: int, drafted: int, accepted: int) -> None:
@@ -484,11 +484,17 @@ class MatchPrior:
         if drafted <= 0:
             return
         self._fade()
-        for i in range(min(drafted, accepted + 1)):
-            b = match_bucket(match_len + i)
-            self.reached[b] += 1
-            if i < accepted:
-                self.accepted[b] += 1
+        count_round(self.reached, self.accepted, match_len, drafted, accepted)
+
+
+def count_round(reached: list[float], accepted: list[float], match_len: int, drafted: int, taken: int) -> None:
+    """Add a lookup round behind a `match_len`-token match to counts by match bucket: each draft position up to the
+    first rejected one was reached (position i continues a match of match_len + i tokens), those before it accepted."""
+    for i in range(min(drafted, taken + 1)):
+        b = match_bucket(match_len + i)
+        reached[b] += 1
+        if i < taken:
+            accepted[b] += 1
 
 
 @dataclass
@@ -519,7 +525,7 @@ class MatchLengthPolicy:
         return self._bucket_rate(match_bucket(n))
 
     def _bucket_rate(self, b: int, priors: tuple[float, ...] | None = None) -> float:
-        prior = (priors or self._priors())[b]
+        prior = (priors if priors is not None else self._priors())[b]
         return (self.accepted[b] + prior * PRIOR_WEIGHT) / (self.reached[b] + PRIOR_WEIGHT)
 
     def bucket_rates(self) -> tuple[float, ...]:
@@ -583,8 +589,4 @@ class MatchLengthPolicy:
         for b in range(len(MATCH_BUCKETS)):
             self.reached[b] *= DECAY
             self.accepted[b] *= DECAY
-        for i in range(min(drafted, accepted + 1)):
-            b = match_bucket(self._match + i)
-            self.reached[b] += 1
-            if i < accepted:
-                self.accepted[b] += 1
+        count_round(self.reached, self.accepted, self._match, drafted, accepted)
