@@ -524,3 +524,22 @@ def test_model_draft_policy_stops_drafting_mixed_text_at_a_full_batch() -> None:
             policy.tracker.observe(8, (0, 1, 1, 2, 3, 3, 4, 5, 6, 8)[i % 10])
     assert alone.choose(cap=100) > 0
     assert full.choose(cap=100) == 0
+
+
+def test_a_request_alone_after_a_burst_is_priced_alone() -> None:
+    """The batch estimate trails the steps it measured: right after a burst it still says 8 sessions a step. A request
+    that then runs alone must not be priced on the burst (nor on the burst's acceptance record): it drafts on the
+    fixed prior. With others running, the load holds."""
+    running = [1]
+    costs = costs_with(40.0, 4.5, sequences=8, overhead_ms=1.0)
+    others = MatchLengthPolicy(costs)
+    running[0] = 8
+    costs.running = lambda: running[0]
+    for _ in range(30):
+        others.choose(match_len=13, available=12)
+        others.observe(drafted=12, accepted=1)
+    assert costs.loaded and MatchLengthPolicy(costs).choose(match_len=13, available=12) == 0
+    running[0] = 1
+    assert not costs.loaded
+    assert MatchLengthPolicy(costs).bucket_rates() == adaptive.FIXED_PRIORS
+    assert MatchLengthPolicy(costs).choose(match_len=13, available=12) == 12

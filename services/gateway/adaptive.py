@@ -85,6 +85,8 @@ class CostModel:
     _trusted_sizes: list[int] = field(default_factory=list)
     # Not a cost, but learned here for the same reason: what this deployment measured, shared by its requests.
     match_prior: MatchPrior = field(default_factory=lambda: MatchPrior())
+    # How many generations the gateway runs now (the gateway's admission count); None where nobody counts (replays).
+    running: Callable[[], int] | None = None
 
     def observe_verify(self, step_tokens: int, step_sequences: int, forward_ns: int) -> None:
         if step_tokens <= 0 or forward_ns <= 0:
@@ -130,7 +132,10 @@ class CostModel:
 
     @property
     def loaded(self) -> bool:
-        """Whether target steps are shared by several sessions (continuous batching under concurrent requests)."""
+        """Whether target steps are shared by several sessions now. `sequences` moves only with steps, so after a
+        burst it says "loaded" for ~20 more; a lone request then drafted nothing on the burst's record (CI)."""
+        if self.running is not None and self.running() < 2:
+            return False
         return self.sequences >= LOADED_SEQUENCES
 
     def line(self, remembered: bool = False) -> tuple[float, float] | None:

@@ -55,7 +55,8 @@ class Serving:
         # No more generations at once than the target has session slots: the rest wait in the queue.
         slots = upstreams.target_info.max_sessions or settings.max_concurrent
         self.admission = Admission(min(settings.max_concurrent, slots), settings.max_queue)
-        self.costs = CostModel()  # the deployment's measured step costs, shared by all requests (adaptive k)
+        # The deployment's measured step costs, shared by all requests (adaptive k).
+        self.costs = CostModel(running=lambda: self.admission.running)
         self.options = GenerationOptions.from_settings(settings)
         self.model_name = settings.model_name or upstreams.target_info.model_name
         self.context_size = upstreams.target_info.context_size
