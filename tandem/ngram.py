@@ -12,13 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-NGRAM_MIN = 2  # shortest suffix matched by default: a one-token match drafts noise
-NGRAM_MAX = 32
-"""Longest suffix looked up by default. The latest occurrence of the longest suffix decides the draft, so a longer
-one tells apart repeats that share their last 16 tokens but not what follows them (a looping answer's sentence that
-ends a paragraph in one place and not in another). Replayed on full8's recorded texts (`python -m bench.replay_ngram
---ngram-min 12 --ngram-max 16|32`), the chat answer that loops went from 141 of 154 drafted tokens accepted in 8
-rounds to 142 of 143 in 7; the other workloads' drafts did not change."""
+from tandem.config import NGRAM_MAX, NGRAM_MIN  # the defaults, where the flags that take them are
 
 INDEXED_LONG_LENGTHS = (6, 8, 12, 16, 24, 32)
 MATCH_CAP = 32

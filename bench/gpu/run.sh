@@ -88,6 +88,42 @@ concurrency)
     ${BENCH_ARGS:---concurrency 1,2,4,8,16 --workloads edit,chat,json --reps 2 --per-stream 2} \
     --out "$OUT/concurrency" 2>&1 | tee "$OUT/concurrency.txt"
   ;;
+load-check)
+  # Which way of loading SmolLM2 crashes on this image (2026-12-06: services.target segfaulted in
+  # llama_model_load_from_file on its engine thread). Each variant in its own process, faulthandler on; after `build`
+  # and `wheels` in this lease, with the model's three parts carried across the calls.
+  cat "$W"/model.part-* > "$W/model.gguf"
+  M="$W/model.gguf"
+  echo "model sha256 $(sha256sum "$M" | cut -c1-16); ulimit -s $(ulimit -s); python3 $(python3 -V 2>&1); gdb: $(command -v gdb || echo none)"
+  GPU="n_gpu_layers=-1, device='cuda:0'"
+  PREP="from tandem.config import TargetSettings, prepare_process; s = TargetSettings(model='$M', $GPU, max_sessions=16, n_ctx=65536); prepare_process(s)"
+  check() {  # name, python code
+    rc=0; timeout 120 python3 -X faulthandler -c "$2" > "$W/check-$1.log" 2>&1 || rc=$?
+    echo "== $1: rc $rc"; [ $rc -eq 0 ] || grep -v '^llama_\|^load\|^print_info\|^ggml_\|^\.' "$W/check-$1.log" | tail -25
+  }
+  check main-thread "$PREP
+from tandem.engine import Engine; e = Engine(s); print('loaded', e.backend)"
+  check pool-thread "$PREP
+from concurrent.futures import ThreadPoolExecutor; from tandem.engine import Engine
+print('loaded', ThreadPoolExecutor(1).submit(Engine, s).result().backend)"
+  check pool-thread-grpc "$PREP
+import grpc, grpc.aio; from concurrent.futures import ThreadPoolExecutor; from tandem.engine import Engine
+print('loaded', ThreadPoolExecutor(1).submit(Engine, s).result().backend)"
+  check worker-asyncio "$PREP
+import asyncio; from services.target.__main__ import build_target
+servicer, worker, load = build_target(s); asyncio.run(load()); print('loaded')"
+  for extra in "" "--max-sessions 16 --n-ctx 65536" "--max-sessions 16 --n-ctx 65536 --n-gpu-layers -1 --device cuda:0 --n-threads 4"; do
+    timeout 60 python3 -X faulthandler -m services.target --model "$M" --host 127.0.0.1 --port 0 $extra > "$W/svc.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 50); do grep -q 'ready on\|Fatal Python' "$W/svc.log" && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
+    if grep -q 'ready on' "$W/svc.log"; then echo "== service [$extra]: ready"; kill $pid; else
+      rc=0; wait $pid || rc=$?; echo "== service [$extra]: rc $rc"; grep -v '^llama_\|^load\|^print_info\|^ggml_\|^\.' "$W/svc.log" | tail -30; fi
+  done
+  if command -v gdb > /dev/null; then
+    timeout 120 gdb -batch -ex run -ex bt --args python3 -m services.target --model "$M" --host 127.0.0.1 --port 0 \
+      --max-sessions 16 --n-ctx 65536 --n-gpu-layers -1 --device cuda:0 2>&1 | grep -A30 'SIGSEGV' | head -40
+  fi
+  ;;
 bench-x2)
   # 2-GPU machine: target on GPU 0; model draft on the CPU, on GPU 0 and on GPU 1 (no peer: see the bench stage).
   cat "$W"/model.part-* > "$W/model.gguf"
