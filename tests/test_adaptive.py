@@ -540,6 +540,8 @@ def test_a_request_alone_after_a_burst_is_priced_alone() -> None:
         others.observe(drafted=12, accepted=1)
     assert costs.loaded and MatchLengthPolicy(costs).choose(match_len=13, available=12) == 0
     running[0] = 1
-    assert not costs.loaded
+    assert not costs.loaded and costs.batch() == 1.0
+    alone = costs_with(40.0, 4.5, overhead_ms=1.0)
+    assert costs.round_ns(3) == pytest.approx(alone.round_ns(3), rel=1e-6)  # not the fixed cost split 8 ways
     assert MatchLengthPolicy(costs).bucket_rates() == adaptive.FIXED_PRIORS
     assert MatchLengthPolicy(costs).choose(match_len=13, available=12) == 12

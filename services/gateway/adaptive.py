@@ -132,11 +132,13 @@ class CostModel:
 
     @property
     def loaded(self) -> bool:
-        """Whether target steps are shared by several sessions now. `sequences` moves only with steps, so after a
-        burst it says "loaded" for ~20 more; a lone request then drafted nothing on the burst's record (CI)."""
-        if self.running is not None and self.running() < 2:
-            return False
-        return self.sequences >= LOADED_SEQUENCES
+        """Whether target steps are shared by several sessions (continuous batching under concurrent requests)."""
+        return self.batch() >= LOADED_SEQUENCES
+
+    def batch(self) -> float:
+        """Sessions a step: `sequences`, or 1 while the gateway runs one generation. `sequences` moves only with
+        steps, so after a burst it said ~8 for ~20 more; a lone request then drafted nothing on the burst's record."""
+        return 1.0 if self.running is not None and self.running() < 2 else max(self.sequences, 1.0)
 
     def line(self, remembered: bool = False) -> tuple[float, float] | None:
         """(fixed ns, ns per token) of a target forward pass, or None until recent steps had two different sizes.
@@ -177,7 +179,7 @@ class CostModel:
         if line is None or self.draft_token_ns <= 0:
             return None
         # Only a clear verdict stops a request: a fitted intercept is noisy, and near the line pausing costs little.
-        return line[0] / max(self.sequences, 1.0) * FUTILE_MARGIN > self.draft_token_ns
+        return line[0] / self.batch() * FUTILE_MARGIN > self.draft_token_ns
 
     def plain_ns(self, priced_alone: bool = False) -> float | None:
         """What a token costs when the lookup does not draft: it then decodes in a pipelined stretch (several steps
@@ -252,7 +254,7 @@ class CostModel:
         if line is None:
             return None
         fixed, per_token = line
-        shared = (fixed + overhead) / max(self.sequences, 1.0)
+        shared = (fixed + overhead) / self.batch()
         return shared + per_token * (k + 1) + self.draft_token_ns * k
 
     def loaded_round_ns(self, k: int) -> float | None:
