@@ -545,3 +545,20 @@ def test_a_request_alone_after_a_burst_is_priced_alone() -> None:
     assert costs.round_ns(3) == pytest.approx(alone.round_ns(3), rel=1e-6)  # not the fixed cost split 8 ways
     assert MatchLengthPolicy(costs).bucket_rates() == adaptive.FIXED_PRIORS
     assert MatchLengthPolicy(costs).choose(match_len=13, available=12) == 12
+
+
+def test_after_a_burst_a_lone_round_is_priced_with_the_overhead_measured_alone() -> None:
+    """Under load a round's wall holds the wait for the other sessions' steps (25 ms here against 2 ms alone). A request
+    that then runs alone pays its own round's overhead, not the burst's: priced with the burst's, a lone chat request
+    on the 2-core CPU sent no draft at all after 8 streams (2026-12-06)."""
+    running = [8]
+    costs = loaded_costs(8)
+    costs.running = lambda: running[0]
+    for tokens, ms in ((1, 10.0), (2, 17.0), (3, 25.0), (5, 36.0)) * 3:  # sizes measured alone earlier
+        costs.observe_verify(tokens, 1, int(ms * 1e6))
+    costs.sequences = 8.0  # the burst's estimate, which trails
+    assert costs.loaded
+    running[0] = 1
+    priced = costs.round_costs(4, priced_alone=True)
+    assert priced is not None
+    assert priced[2] == pytest.approx((25.0 + 2.0) * 1e6, rel=0.01)  # the 3-token step as measured, + 2 ms
