@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import sys
@@ -25,12 +24,11 @@ from pathlib import Path
 import httpx
 
 from bench.harness import Stack
-from bench.procstat import cpu_ticks
+from bench.procstat import process_cpu_s
 from bench.workloads import Workload, workloads
 from tandem.launch import start_gateway, start_model_service
 
 MODES = {"off": {"speculative.n_max": 0}, "on": {}}
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _stream(url: str, workload: Workload, prompts: list[str], max_tokens: int, mode: dict) -> int:
@@ -85,7 +83,7 @@ METRICS = {
 def snapshot(url: str, pids: dict[str, int]) -> dict[str, float]:
     """CPU seconds of each process so far and the gateway's counters: on the 2-core CPU the gateway's Python competes
     with the target's forward passes, and CPU time shows it where tok/s swings with the host (decision 0018)."""
-    out = {f"{name}_cpu_s": cpu_ticks(f"/proc/{pid}/stat") / TICKS for name, pid in pids.items()}
+    out = {f"{name}_cpu_s": process_cpu_s(pid) for name, pid in pids.items()}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
         name, _, value = line.rpartition(" ")
         for key, metric in METRICS.items():

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 import grpc
 
-from bench.procstat import cpu_ticks
+from bench.procstat import process_cpu_s
 
 SERVICE, METHOD = "floor.Echo", "Stream"
 
@@ -56,18 +56,13 @@ async def _time_round_trips(call, messages: Iterable[object]) -> list[int]:
     return times
 
 
-def _process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far."""
-    return cpu_ticks(f"/proc/{pid}/stat") / os.sysconf("SC_CLK_TCK")
-
-
 async def _echo_round_trips(address: str, calls: int, server_pid: int) -> tuple[list[int], float, float]:
     """(round trip times, then CPU seconds per round trip of this client and of the server) over `calls` echoes."""
     async with grpc.aio.insecure_channel(address) as channel:
         call = channel.stream_stream(f"/{SERVICE}/{METHOD}")()
-        client0, server0 = time.process_time(), _process_cpu_s(server_pid)
+        client0, server0 = time.process_time(), process_cpu_s(server_pid)
         times = await _time_round_trips(call, [b"x" * 64] * calls)
-        client1, server1 = time.process_time(), _process_cpu_s(server_pid)
+        client1, server1 = time.process_time(), process_cpu_s(server_pid)
         return times, (client1 - client0) / calls, (server1 - server0) / calls
 
 
