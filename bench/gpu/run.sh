@@ -97,9 +97,10 @@ load-check)
   echo "model sha256 $(sha256sum "$M" | cut -c1-16); ulimit -s $(ulimit -s); python3 $(python3 -V 2>&1); gdb: $(command -v gdb || echo none)"
   GPU="n_gpu_layers=-1, device='cuda:0'"
   PREP="from tandem.config import TargetSettings, prepare_process; s = TargetSettings(model='$M', $GPU, max_sessions=16, n_ctx=65536); prepare_process(s)"
+  failed=0
   check() {  # name, python code
     rc=0; timeout 120 python3 -X faulthandler -c "$2" > "$W/check-$1.log" 2>&1 || rc=$?
-    echo "== $1: rc $rc"; [ $rc -eq 0 ] || grep -v '^llama_\|^load\|^print_info\|^ggml_\|^\.' "$W/check-$1.log" | tail -25
+    echo "== $1: rc $rc"; [ $rc -eq 0 ] || failed=1; [ $rc -eq 0 ] || grep -v '^llama_\|^load\|^print_info\|^ggml_\|^\.' "$W/check-$1.log" | tail -25
   }
   check main-thread "$PREP
 from tandem.engine import Engine; e = Engine(s); print('loaded', e.backend)"
@@ -117,9 +118,9 @@ servicer, worker, load = build_target(s); asyncio.run(load()); print('loaded')"
     pid=$!
     for _ in $(seq 50); do grep -q 'ready on\|Fatal Python' "$W/svc.log" && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
     if grep -q 'ready on' "$W/svc.log"; then echo "== service [$extra]: ready"; kill $pid; else
-      rc=0; wait $pid || rc=$?; echo "== service [$extra]: rc $rc"; grep -v '^llama_\|^load\|^print_info\|^ggml_\|^\.' "$W/svc.log" | tail -30; fi
+      failed=1; rc=0; wait $pid || rc=$?; echo "== service [$extra]: rc $rc"; grep -v '^llama_\|^load\|^print_info\|^ggml_\|^\.' "$W/svc.log" | tail -30; fi
   done
-  if command -v gdb > /dev/null; then
+  if [ $failed -eq 1 ] && command -v gdb > /dev/null; then  # a backtrace only when something crashed
     timeout 120 gdb -batch -ex run -ex bt --args python3 -m services.target --model "$M" --host 127.0.0.1 --port 0 \
       --max-sessions 16 --n-ctx 65536 --n-gpu-layers -1 --device cuda:0 2>&1 | grep -A30 'SIGSEGV' | head -40
   fi
