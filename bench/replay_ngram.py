@@ -25,7 +25,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from services.gateway.adaptive import CostModel, DraftLengthPolicy, MatchLengthPolicy
+from services.gateway.adaptive import DraftLengthPolicy, MatchLengthPolicy
+from services.gateway.costs import CostModel
 from tandem.ngram import NGRAM_MAX, NGRAM_MIN, NgramIndex, ngram_draft_matched
 
 # A policy: (propose(tokens, index, cap) -> draft, observe(draft, accepted, verify_ns)).

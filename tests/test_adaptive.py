@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
-from services.gateway import adaptive
+from services.gateway import costs as costs_module
 from services.gateway.adaptive import (
     PROBE_EVERY,
     AcceptanceTracker,
-    CostModel,
     DraftLengthPolicy,
     MatchLengthPolicy,
     worth_drafting_ahead,
 )
+from services.gateway.costs import CostModel
 from tandem.ngram import MATCH_CAP, LookupRule, NgramIndex, match_bucket
 
 
@@ -323,7 +324,7 @@ def test_under_load_the_deployments_record_of_a_bucket_fades_with_time() -> None
         others.choose(match_len=13, available=12)
         others.observe(drafted=12, accepted=1)
     assert MatchLengthPolicy(costs).choose(match_len=13, available=12) == 0
-    now[0] += 10 * adaptive.MATCH_PRIOR_HALF_LIFE_S
+    now[0] += 10 * costs_module.MATCH_PRIOR_HALF_LIFE_S
     assert MatchLengthPolicy(costs).choose(match_len=13, available=12) == 12
 
 
@@ -342,7 +343,7 @@ def test_a_new_request_starts_from_the_deployments_acceptance_by_match_length() 
     assert MatchLengthPolicy(costs).choose(match_len=13, available=12) == 0
     alone = costs_with(40.0, 4.5, overhead_ms=1.0)  # a request stepping alone keeps the fixed prior
     alone.match_prior = costs.match_prior
-    assert MatchLengthPolicy(alone).bucket_rates() == adaptive.FIXED_PRIORS
+    assert MatchLengthPolicy(alone).bucket_rates() == costs_module.FIXED_PRIORS
     copying = MatchLengthPolicy(costs)
     for _ in range(6):
         copying.choose(match_len=13, available=12)
@@ -362,7 +363,7 @@ def test_the_line_slope_is_at_least_what_a_token_costs_a_step_alone() -> None:
         costs.observe_verify(16 + i % 2, 16, int((93.0 - 3.0 * (i % 2)) * 1e6))
     assert costs._slope is not None and costs._slope < 0  # the fit alone: a token makes a step cheaper
     fixed, per_token = costs.line(remembered=True)  # as loaded rounds are priced
-    floor = adaptive.BATCHED_TOKEN_FLOOR * 4.5e6
+    floor = costs_module.BATCHED_TOKEN_FLOOR * 4.5e6
     assert per_token == pytest.approx(floor)
     assert fixed == pytest.approx(91.5e6 - floor * 16.5, rel=0.02)
     assert CostModel().lone_token_ns() == 0.0
@@ -462,7 +463,7 @@ def test_under_load_a_plain_token_is_priced_at_its_share_of_the_step() -> None:
     assert costs.loaded
     plain = costs.plain_ns(priced_alone=True)
     assert plain == pytest.approx(6.0e6, rel=0.02)
-    margin = adaptive.LOADED_DRAFT_MARGIN  # a round must beat its price by this much under load
+    margin = costs_module.LOADED_DRAFT_MARGIN  # a round must beat its price by this much under load
     assert costs.round_ns(3, priced_alone=True) == pytest.approx((1.5 + 4.5 * 4 + 2.0) * margin * 1e6, rel=0.02)
     alone = costs_with(12.0, 4.5, overhead_ms=2.0)
     alone.observe_plain_token(17e6)
@@ -507,7 +508,7 @@ def test_under_load_a_draft_priced_barely_ahead_of_plain_tokens_is_not_sent(monk
     loaded = loaded_costs(8)
     assert MatchLengthPolicy(loaded, reached=chat.reached, accepted=chat.accepted).choose(12, 4) == 0
     assert MatchLengthPolicy(loaded, reached=copied.reached, accepted=copied.accepted).choose(16, 4) == 4
-    monkeypatch.setattr(adaptive, "LOADED_DRAFT_MARGIN", 1.0)  # the bare price sends them
+    monkeypatch.setattr(costs_module, "LOADED_DRAFT_MARGIN", 1.0)  # the bare price sends them
     assert MatchLengthPolicy(loaded, reached=chat.reached, accepted=chat.accepted).choose(12, 4) == 4
     monkeypatch.undo()
     alone = costs_with(12.0, 4.5, overhead_ms=2.0)
@@ -540,10 +541,12 @@ def test_a_request_alone_after_a_burst_is_priced_alone() -> None:
         others.observe(drafted=12, accepted=1)
     assert costs.loaded and MatchLengthPolicy(costs).choose(match_len=13, available=12) == 0
     running[0] = 1
+    assert costs.loaded  # the burst's last step, a moment ago, was shared: its sessions may not be all this gateway's
+    costs.clock = lambda: time.monotonic_ns() + costs_module.SHARED_STEP_FRESH_NS  # ... and half a second later
     assert not costs.loaded and costs.batch() == 1.0
     alone = costs_with(40.0, 4.5, overhead_ms=1.0)
     assert costs.round_ns(3) == pytest.approx(alone.round_ns(3), rel=1e-6)  # not the fixed cost split 8 ways
-    assert MatchLengthPolicy(costs).bucket_rates() == adaptive.FIXED_PRIORS
+    assert MatchLengthPolicy(costs).bucket_rates() == costs_module.FIXED_PRIORS
     assert MatchLengthPolicy(costs).choose(match_len=13, available=12) == 12
 
 
@@ -559,6 +562,25 @@ def test_after_a_burst_a_lone_round_is_priced_with_the_overhead_measured_alone()
     costs.sequences = 8.0  # the burst's estimate, which trails
     assert costs.loaded
     running[0] = 1
+    costs.observe_verify(1, 1, 10_000_000)  # this request's own step, alone
     priced = costs.round_costs(4, priced_alone=True)
     assert priced is not None
     assert priced[2] == pytest.approx((25.0 + 2.0) * 1e6, rel=0.01)  # the 3-token step as measured, + 2 ms
+
+
+def test_a_target_shared_with_another_gateway_prices_a_lone_request_as_loaded() -> None:
+    """Gateway replicas sharing one target each count only their own generations: one request alone in its gateway
+    whose steps carry 8 sessions (the other gateway's) is priced at that batch, as long as the steps say so. Once its
+    steps hold it alone, or the last shared step is stale, it is priced alone again."""
+    now = [0]
+    costs = CostModel(running=lambda: 1, clock=lambda: now[0])
+    for extra in (0, 3, 1, 4, 2) * 6:  # steps of 8 sessions, some with one session's draft in them
+        costs.observe_verify(8 + extra, 8, int((12.0 + 4.5 * (8 + extra)) * 1e6))
+        now[0] += 50_000_000
+    assert costs.loaded and costs.batch() == 8.0
+    now[0] += costs_module.SHARED_STEP_FRESH_NS  # no step for half a second: the other gateway's load has gone
+    assert not costs.loaded
+    costs.observe_verify(9, 8, 52_500_000)
+    assert costs.loaded
+    costs.observe_verify(1, 1, 10_000_000)  # the next step holds this session alone
+    assert not costs.loaded and costs.batch() == 1.0

@@ -525,7 +525,7 @@ def test_adaptive_k_stops_a_draft_that_cannot_pay(exact_target: Service, exact_d
     probe round, then decodes target-only (`speculation: "stopped"`), with the target-only text token for token
     (the exact services: no prefix cache, whose chunking of a repeated prompt moves logits by an ulp). With a cheap
     draft, the same request keeps drafting."""
-    from services.gateway.adaptive import CostModel
+    from services.gateway.costs import CostModel
     from services.gateway.speculation import Generation, GenerationOptions, GenerationRequest
     from services.gateway.upstream import connect
     from tandem.sampling import SamplingParams

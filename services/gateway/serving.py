@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from services.gateway.adaptive import CostModel
+from services.gateway.costs import CostModel
 from services.gateway.errors import OpenAIError, sse_error
 from services.gateway.guards import Admission
 from services.gateway.metrics import GatewayMetrics

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import grpc
 from opentelemetry import trace
 
-from services.gateway.adaptive import AcceptanceTracker, CostModel
+from services.gateway.adaptive import AcceptanceTracker
+from services.gateway.costs import CostModel
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.speculation.state import GenerationOptions, GenerationRequest, GenerationStats, Positions
 from services.gateway.upstream import Upstreams

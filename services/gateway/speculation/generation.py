@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
-from services.gateway.adaptive import CostModel
+from services.gateway.costs import CostModel
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.speculation.context import Context
 from services.gateway.speculation.cross_vocab import CrossVocabDraft
