@@ -125,6 +125,20 @@ servicer, worker, load = build_target(s); asyncio.run(load()); print('loaded')"
       --max-sessions 16 --n-ctx 65536 --n-gpu-layers -1 --device cuda:0 2>&1 | grep -A30 'SIGSEGV' | head -40
   fi
   ;;
+mps-ab)
+  # Issue 42: two processes on one GPU (the target in the gateway, the draft a service) time-slice it, and their
+  # forward passes slow down; CUDA MPS lets both processes' kernels share the GPU. 8B + 0.5B on the same GPU, the
+  # middle layout and co-location, without then with the MPS control daemon (after build and wheels in this lease).
+  MODELS="0.5b/12 8b/21" write_models
+  A=(--pairs 8b:0.5b --placements "same GPU" --only tandem --ks 4 --lengths 2,5 --flash-attn on --reps "${REPS:-2}"
+     --modes target-in-gateway,co-located --deadline-s 240)
+  synth() { python3 -m bench.gpu.synth --models /tmp/models "${A[@]}" --out "$OUT/$1" 2>&1 | grep '^| tandem'; rm -rf "$OUT/$1/logs"; }
+  echo "== without MPS"; synth mps-off
+  if ! command -v nvidia-cuda-mps-control > /dev/null; then echo "no nvidia-cuda-mps-control here"; exit 0; fi
+  nvidia-cuda-mps-control -d && sleep 2 && echo "== with MPS (daemon up: $(pgrep -f nvidia-cuda-mps-control | head -1))"
+  synth mps-on
+  echo quit | nvidia-cuda-mps-control
+  ;;
 bench-x2)
   # 2-GPU machine: target on GPU 0; model draft on the CPU, on GPU 0 and on GPU 1 (no peer: see the bench stage).
   cat "$W"/model.part-* > "$W/model.gguf"
