@@ -15,10 +15,12 @@ measured RPC/orchestration time of a round, and `draft_per_token` the draft's me
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.gateway.governor import LoadGovernor
 from tandem.ngram import MATCH_BUCKETS, match_bucket
 
 PRIOR_WEIGHT = 2.0  # a prior acceptance rate is worth this many observations (here and in the policies)
@@ -83,6 +85,8 @@ class CostModel:
     # How many generations the gateway runs now (the gateway's admission count); None where nobody counts (replays).
     running: Callable[[], int] | None = None
     clock: Callable[[], int] = time.monotonic_ns
+    # Under load, whether the deployment's epochs with drafts delivered as much as those without (`governor.py`).
+    governor: LoadGovernor = field(default_factory=LoadGovernor)
     _last_step: tuple[int, int] = (1, 0)  # the latest target step observed: (its sessions, when)
 
     def observe_verify(self, step_tokens: int, step_sequences: int, forward_ns: int) -> None:
@@ -287,6 +291,8 @@ class CostModel:
             overhead = self.overhead_alone_ns
         else:
             overhead = (self.overhead_ns or 0.0) / self.sequences
+        if self.running is not None and not self.governor.allows_drafting(self.running()):
+            return [part + per_token, *[math.inf] * max_k]  # measured: drafts at this load delivered less
         drafted = [
             (part + per_token * (k + 1) + overhead + self.draft_token_ns * k) * LOADED_DRAFT_MARGIN
             for k in range(1, max_k + 1)

@@ -82,6 +82,7 @@ class Context:
         self.last_propose_ns = 0
         self.plain_done: int | None = None  # when the last pipelined target-only call answered
         self.started_ns = self.last_token_ns = 0
+        self._drafted_seen = 0  # draft tokens already reported to the governor
 
     # ---------------------------------------------------------------- progress
 
@@ -101,6 +102,9 @@ class Context:
                 self.metrics.inter_token.observe((now - self.last_token_ns) / 1e9)
             self.metrics.generation_tokens.inc()
         self.last_token_ns = now
+        if self.costs.running is not None:  # the deployment's delivery, for the governor under load
+            drafted, self._drafted_seen = self.stats.draft_n - self._drafted_seen, self.stats.draft_n
+            self.costs.governor.emitted(1, drafted, self.costs.running())
         return token.is_eog or self.pos.produced >= self.req.max_tokens
 
     # ---------------------------------------------------------------- the drafter's health

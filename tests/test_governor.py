@@ -1,0 +1,116 @@
+"""The load governor (services/gateway/governor.py): epochs of drafting and of plain decoding under load, compared by
+what they delivered; exact checks on a fake clock, and its effect on the loaded price."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.gateway import governor as gov
+from services.gateway.adaptive import MatchLengthPolicy
+from services.gateway.costs import CostModel
+from services.gateway.governor import LoadGovernor, load_level
+
+
+class Deployment:
+    """Drives a governor as generations would: `running` generations emit tokens at a rate that depends on whether
+    drafts are allowed, each token reported as it comes (drafted tokens with it while drafting)."""
+
+    def __init__(self, running: int, drafting_rate: float, plain_rate: float) -> None:
+        self.now = 0.0
+        self.governor = LoadGovernor(clock=lambda: self.now)
+        self.running = running
+        self.rates = {True: drafting_rate, False: plain_rate}
+        self.allowed: list[bool] = []
+
+    def run(self, seconds: float, tick: float = 0.01) -> None:
+        end = self.now + seconds
+        while self.now < end:
+            allow = self.governor.allows_drafting(self.running)
+            self.allowed.append(allow)
+            tokens = round(self.rates[allow] * tick)
+            self.governor.emitted(tokens, tokens // 2 if allow else 0, self.running)
+            self.now += tick
+
+
+def test_load_levels() -> None:
+    assert [load_level(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 64)] == [None, None, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_where_drafting_delivers_less_it_stops_but_for_the_exploring_epochs() -> None:
+    d = Deployment(running=8, drafting_rate=800.0, plain_rate=1000.0)
+    d.run(60.0)
+    level = load_level(8)
+    assert d.governor.decided(level) is False
+    assert d.governor.records[(level, True)].rate == pytest.approx(800.0)
+    assert d.governor.records[(level, False)].rate == pytest.approx(1000.0)
+    late = d.allowed[len(d.allowed) // 2 :]  # once decided: drafting only in one epoch of EXPLORE_EVERY
+    assert 0 < sum(late) / len(late) < 2 / gov.EXPLORE_EVERY
+
+
+def test_where_drafting_delivers_more_it_goes_on() -> None:
+    d = Deployment(running=8, drafting_rate=1300.0, plain_rate=1000.0)
+    d.run(60.0)
+    assert d.governor.decided(load_level(8)) is True
+    late = d.allowed[len(d.allowed) // 2 :]
+    assert 1 - 2 / gov.EXPLORE_EVERY < sum(late) / len(late) < 1  # plain epochs only to explore
+
+
+def test_levels_decide_apart() -> None:
+    """Drafting may lose at 16 streams and win at 2: each load level has its own record."""
+    d = Deployment(running=16, drafting_rate=900.0, plain_rate=1000.0)
+    d.run(30.0)
+    d.running, d.rates = 2, {True: 600.0, False: 400.0}  # one deployment, its load falling from 16 to 2
+    d.run(30.0)
+    assert d.governor.decided(load_level(16)) is False
+    assert d.governor.decided(load_level(2)) is True
+
+
+def test_a_lone_generation_is_never_governed_nor_recorded() -> None:
+    d = Deployment(running=1, drafting_rate=100.0, plain_rate=1000.0)
+    d.run(30.0)
+    assert all(d.allowed) and not d.governor.records
+
+
+def test_allowed_epochs_without_drafts_count_as_plain_decoding() -> None:
+    """Where the price sends no drafts at a load, epochs with drafting allowed decoded plainly: they are recorded as
+    plain, and the level stays undecided (nothing to compare) with drafting allowed."""
+    now = [0.0]
+    g = LoadGovernor(clock=lambda: now[0])
+    for _ in range(3000):
+        assert g.allows_drafting(4)
+        g.emitted(10, 0, 4)
+        now[0] += 0.01
+    level = load_level(4)
+    assert (level, True) not in g.records and g.records[(level, False)].epochs > 10
+    assert g.decided(level) is None
+
+
+def test_an_epoch_across_a_stall_is_discarded() -> None:
+    now = [0.0]
+    g = LoadGovernor(clock=lambda: now[0])
+    g.emitted(0, 0, 8)
+    now[0] += gov.EPOCH_MAX_S + 1  # nothing emitted: a stall (or nothing running between two bursts)
+    g.emitted(500, 0, 8)
+    assert not g.records
+
+
+def test_a_governed_level_prices_every_draft_out() -> None:
+    """Once the epochs at a load said drafting delivers less, the loaded price of any draft is infinite (the
+    target-side lookup gets the same costs), and a lookup that would draft 12 behind a 13-token match drafts none."""
+    costs = CostModel(running=lambda: 8)
+    for extra in (0, 3, 1, 4, 2) * 6:
+        costs.observe_verify(8 + extra, 8, int((12.0 + 4.5 * (8 + extra)) * 1e6))
+    costs.observe_overhead(2e6, step_sequences=1)
+    costs.observe_plain_token(48e6)
+    assert MatchLengthPolicy(costs).choose(match_len=24, available=12) > 0
+    level = load_level(8)
+    for drafted, rate in ((True, 500.0), (False, 900.0)):
+        for _ in range(gov.MIN_EPOCHS):
+            costs.governor.records.setdefault((level, drafted), gov.LevelRecord()).add(rate)
+    costs.governor._start = None  # the next call begins an epoch, which the records now decide
+    costs.governor._begun[level] = 1
+    priced = costs.round_costs(4)
+    assert priced is not None and math.isfinite(priced[0]) and all(math.isinf(c) for c in priced[1:])
+    assert MatchLengthPolicy(costs).choose(match_len=24, available=12) == 0
