@@ -38,9 +38,12 @@ def test_load_levels() -> None:
     assert [load_level(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 64)] == [None, None, 0, 1, 1, 2, 2, 3, 3, 4, 4]
 
 
-def test_where_drafting_delivers_less_it_stops_but_for_the_exploring_epochs() -> None:
+def test_where_drafting_delivers_less_it_stops_but_for_the_exploring_epochs(caplog: pytest.LogCaptureFixture) -> None:
     d = Deployment(running=8, drafting_rate=800.0, plain_rate=1000.0)
-    d.run(60.0)
+    with caplog.at_level("INFO", logger="services.gateway.governor"):
+        d.run(60.0)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["at 5-8 generations running, drafting stops: 800 tok/s in epochs with drafts, 1000 without"]
     level = load_level(8)
     assert d.governor.decided(level) is False
     assert d.governor.records[(level, True)].rate == pytest.approx(800.0)

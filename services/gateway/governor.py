@@ -17,9 +17,12 @@ asks; the price still chooses each round's draft length while drafting is allowe
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 LOAD_LEVELS = (2, 3, 5, 9, 17)  # generations running, by level: 2, 3-4, 5-8, 9-16, 17 and more
 EPOCH_MIN_S = 0.25  # an epoch lasts at least this long ...
@@ -33,6 +36,14 @@ RATE_EMA = 0.3  # weight of the newest epoch in a level's rate
 def load_level(running: int) -> int | None:
     """The index of the load level of `running` generations (None: fewer than two, not governed)."""
     return None if running < LOAD_LEVELS[0] else bisect.bisect_right(LOAD_LEVELS, running) - 1
+
+
+def _level_name(level: int) -> str:
+    low = LOAD_LEVELS[level]
+    if level + 1 == len(LOAD_LEVELS):
+        return f"{low}+"
+    high = LOAD_LEVELS[level + 1] - 1
+    return str(low) if high == low else f"{low}-{high}"
 
 
 @dataclass
@@ -55,6 +66,7 @@ class LoadGovernor:
     # (level, drafted) -> the epochs' rate: drafted is True for epochs in which drafts were sent
     records: dict[tuple[int, bool], LevelRecord] = field(default_factory=dict)
     _begun: dict[int, int] = field(default_factory=dict)  # epochs begun per level
+    _said: dict[int, bool] = field(default_factory=dict)  # the verdict last logged per level
     _allow: bool = True  # whether the current epoch allows drafts
     _start: float | None = None
     _tokens: int = 0
@@ -116,4 +128,11 @@ class LoadGovernor:
         if best is None:
             self._allow = False  # epochs without drafts, to compare with
             return
+        if self._said.get(level) != best:
+            self._said[level] = best
+            with_drafts, without = self.records[(level, True)].rate, self.records[(level, False)].rate
+            log.info(
+                "at %s generations running, drafting %s: %.0f tok/s in epochs with drafts, %.0f without",
+                _level_name(level), "goes on" if best else "stops", with_drafts, without,
+            )  # fmt: skip
         self._allow = best if n % EXPLORE_EVERY else not best
