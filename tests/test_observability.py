@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import time
@@ -59,6 +60,32 @@ def test_metrics_count_speculation(gateway: Service) -> None:
     assert _metric(after, "tandem_sessions_active", '{service="draft"}') == 0
     assert _metric(after, "tandem_upstream_up", '{service="target"}') == 1
     assert _metric(after, "tandem_kv_capacity_tokens", '{service="target"}') == 2048
+
+
+def _epochs_at_two(text: str) -> float:
+    return sum(
+        float(v) for v in re.findall(r'^tandem_load_epochs_total\{drafts="(?:yes|no)",running="2"\} (\S+)$', text, re.M)
+    )
+
+
+def test_two_concurrent_requests_feed_the_load_governor(gateway: Service) -> None:
+    """Under load every emitted token reaches the load governor (decision 0019): two requests at once make epochs at
+    the level of two running generations, which /metrics counts (an epoch is at least 0.25 s and 32 tokens here)."""
+    before = _epochs_at_two(httpx.get(f"{gateway.address}/metrics").text)
+    body = {
+        "messages": [{"role": "user", "content": "Count from 1 to 200, separated by commas."}],
+        "max_tokens": 160,
+        "temperature": 0,
+    }
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        replies = list(
+            pool.map(lambda _: httpx.post(f"{gateway.address}/v1/chat/completions", json=body, timeout=300), range(2))
+        )
+    assert all(r.status_code == 200 for r in replies)
+    tokens = sum(r.json()["usage"]["completion_tokens"] for r in replies)
+    assert tokens >= 200, tokens  # enough for several epochs of 32 tokens
+    after = httpx.get(f"{gateway.address}/metrics").text
+    assert _epochs_at_two(after) > before, re.findall(r"^tandem_load_epoch.*$", after, re.M)
 
 
 def test_response_reports_acceptance(gateway: Service) -> None:

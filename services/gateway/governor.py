@@ -38,7 +38,8 @@ def load_level(running: int) -> int | None:
     return None if running < LOAD_LEVELS[0] else bisect.bisect_right(LOAD_LEVELS, running) - 1
 
 
-def _level_name(level: int) -> str:
+def level_name(level: int) -> str:
+    """How a load level reads in logs and metrics: "2", "3-4", ..., "17+"."""
     low = LOAD_LEVELS[level]
     if level + 1 == len(LOAD_LEVELS):
         return f"{low}+"
@@ -67,6 +68,8 @@ class LoadGovernor:
     records: dict[tuple[int, bool], LevelRecord] = field(default_factory=dict)
     _begun: dict[int, int] = field(default_factory=dict)  # epochs begun per level
     _said: dict[int, bool] = field(default_factory=dict)  # the verdict last logged per level
+    # Called with each recorded epoch: (level name, whether drafts were sent, tokens a second); the gateway's metrics.
+    on_epoch: Callable[[str, bool, float], None] | None = None
     _allow: bool = True  # whether the current epoch allows drafts
     _start: float | None = None
     _tokens: int = 0
@@ -111,6 +114,8 @@ class LoadGovernor:
         if level is not None:
             drafted = self._allow and self._drafted > 0  # allowed, but nothing drafted: it decoded plainly
             self.records.setdefault((level, drafted), LevelRecord()).add(self._tokens / elapsed)
+            if self.on_epoch is not None:
+                self.on_epoch(level_name(level), drafted, self._tokens / elapsed)
         self._begin(running, now)
 
     def _begin(self, running: int, now: float) -> None:
@@ -133,6 +138,6 @@ class LoadGovernor:
             with_drafts, without = self.records[(level, True)].rate, self.records[(level, False)].rate
             log.info(
                 "at %s generations running, drafting %s: %.0f tok/s in epochs with drafts, %.0f without",
-                _level_name(level), "goes on" if best else "stops", with_drafts, without,
+                level_name(level), "goes on" if best else "stops", with_drafts, without,
             )  # fmt: skip
         self._allow = best if n % EXPLORE_EVERY else not best

@@ -57,6 +57,18 @@ class GatewayMetrics:
             registry=r,
         )
         self.active_requests = Gauge("tandem_active_requests", "requests being generated", registry=r)
+        self.load_epochs = Counter(
+            "tandem_load_epochs",
+            "epochs under load the load governor recorded, by generations running and whether drafts were sent",
+            ["running", "drafts"],
+            registry=r,
+        )
+        self.load_epoch_rate = Gauge(
+            "tandem_load_epoch_tokens_per_second",
+            "tokens a second all generations delivered in the last recorded epoch of that kind",
+            ["running", "drafts"],
+            registry=r,
+        )
         self.synthetic = Gauge(
             "tandem_synthetic_acceptance",
             "1 when the target imposes synthetic acceptance (benchmark targets only; the text is not valid)",
@@ -140,3 +152,10 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def observe_epoch(metrics: GatewayMetrics, level: str, drafted: bool, rate: float) -> None:
+    """One epoch the load governor recorded (`LoadGovernor.on_epoch`)."""
+    labels = {"running": level, "drafts": "yes" if drafted else "no"}
+    metrics.load_epochs.labels(**labels).inc()
+    metrics.load_epoch_rate.labels(**labels).set(rate)

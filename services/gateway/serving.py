@@ -5,6 +5,7 @@ The endpoint modules (chat.py, completions.py) only translate between their Open
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from services.gateway.costs import CostModel
 from services.gateway.errors import OpenAIError, sse_error
 from services.gateway.guards import Admission
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, observe_epoch
 from services.gateway.protocol import SamplingFields
 from services.gateway.speculation import Generation, GenerationOptions, GenerationRequest, GenerationStats
 from services.gateway.text import TextAssembler
@@ -57,6 +58,8 @@ class Serving:
         self.admission = Admission(min(settings.max_concurrent, slots), settings.max_queue)
         # The deployment's measured step costs, shared by all requests (adaptive k).
         self.costs = CostModel(running=lambda: self.admission.running)
+        if metrics is not None:
+            self.costs.governor.on_epoch = functools.partial(observe_epoch, metrics)
         self.options = GenerationOptions.from_settings(settings)
         self.model_name = settings.model_name or upstreams.target_info.model_name
         self.context_size = upstreams.target_info.context_size
