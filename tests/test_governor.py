@@ -23,13 +23,16 @@ class Deployment:
         self.running = running
         self.rates = {True: drafting_rate, False: plain_rate}
         self.allowed: list[bool] = []
+        self.owed = 0.0
 
     def run(self, seconds: float, tick: float = 0.01) -> None:
         end = self.now + seconds
         while self.now < end:
             allow = self.governor.allows_drafting(self.running)
             self.allowed.append(allow)
-            tokens = round(self.rates[allow] * tick)
+            self.owed += self.rates[allow] * tick  # whole tokens as they come, the fraction carried
+            tokens = int(self.owed)
+            self.owed -= tokens
             self.governor.emitted(tokens, tokens // 2 if allow else 0, self.running)
             self.now += tick
 
@@ -117,3 +120,16 @@ def test_a_governed_level_prices_every_draft_out() -> None:
     priced = costs.round_costs(4)
     assert priced is not None and math.isfinite(priced[0]) and all(math.isinf(c) for c in priced[1:])
     assert MatchLengthPolicy(costs).choose(match_len=24, available=12) == 0
+
+
+def test_a_verdict_holds_until_the_other_kind_leads_clearly() -> None:
+    """Rates within `HYSTERESIS` of each other keep the level's verdict: the exploring epochs do not flip it."""
+    d = Deployment(running=16, drafting_rate=900.0, plain_rate=1000.0)
+    d.run(20.0)
+    assert d.governor._said[load_level(16)] is False
+    d.rates = {True: 1010.0, False: 1000.0}  # drafting now 1% ahead: not enough to say it pays
+    d.run(60.0)
+    assert d.governor.decided(load_level(16)) is True and d.governor._said[load_level(16)] is False
+    d.rates = {True: 1100.0, False: 1000.0}  # 10% ahead: it does
+    d.run(60.0)
+    assert d.governor._said[load_level(16)] is True
