@@ -70,7 +70,7 @@ class LoadGovernor:
     # (level, drafted) -> the epochs' rate: drafted is True for epochs in which drafts were sent
     records: dict[tuple[int, bool], LevelRecord] = field(default_factory=dict)
     _begun: dict[int, int] = field(default_factory=dict)  # epochs begun per level
-    _said: dict[int, bool] = field(default_factory=dict)  # the verdict last logged per level
+    _said: dict[int, bool] = field(default_factory=dict)  # each level's verdict (logged when it changes)
     # Called with each recorded epoch: (level name, whether drafts were sent, tokens a second); the gateway's metrics.
     on_epoch: Callable[[str, bool, float], None] | None = None
     _allow: bool = True  # whether the current epoch allows drafts
@@ -136,14 +136,13 @@ class LoadGovernor:
         if best is None:
             self._allow = False  # epochs without drafts, to compare with
             return
+        with_drafts, without = drafted.rate, self.records[(level, False)].rate
         said = self._said.get(level)
-        if said is not None and best != said:
-            with_drafts, without = self.records[(level, True)].rate, self.records[(level, False)].rate
-            lead = with_drafts / without - 1.0 if without > 0 else 1.0
-            best = said if abs(lead) < HYSTERESIS else best
+        lead = with_drafts / without - 1.0 if without > 0 else 1.0
+        if said is not None and best != said and abs(lead) < HYSTERESIS:
+            best = said
         if said != best:
             self._said[level] = best
-            with_drafts, without = self.records[(level, True)].rate, self.records[(level, False)].rate
             log.info(
                 "at %s generations running, drafting %s: %.0f tok/s in epochs with drafts, %.0f without",
                 level_name(level), "goes on" if best else "stops", with_drafts, without,
