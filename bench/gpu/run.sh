@@ -104,7 +104,8 @@ load-check)
   failed=0
   check() {  # name, python code
     rc=0; timeout 120 python3 -X faulthandler -c "$2" > "$W/check-$1.log" 2>&1 || rc=$?
-    echo "== $1: rc $rc"; [ $rc -eq 0 ] || failed=1; [ $rc -eq 0 ] || grep -v '^llama_\|^load\|^print_info\|^ggml_\|^\.' "$W/check-$1.log" | tail -25
+    echo "== $1: rc $rc"
+    if [ $rc -ne 0 ]; then failed=1; grep -v '^llama_\|^load\|^print_info\|^ggml_\|^\.' "$W/check-$1.log" | tail -25; fi
   }
   check main-thread "$PREP
 from tandem.engine import Engine; e = Engine(s); print('loaded', e.backend)"
