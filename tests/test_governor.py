@@ -133,3 +133,28 @@ def test_a_verdict_holds_until_the_other_kind_leads_clearly() -> None:
     d.rates = {True: 1100.0, False: 1000.0}  # 10% ahead: it does
     d.run(60.0)
     assert d.governor._said[load_level(16)] is True
+
+
+def test_a_lower_levels_stop_carries_up_until_the_level_learns_otherwise() -> None:
+    """Drafting that lost at 2 streams starts off at 8 (a bigger batch makes every drafted row dearer); the exploring
+    epochs still let 8 streams find that drafting pays there."""
+    d = Deployment(running=2, drafting_rate=800.0, plain_rate=1000.0)
+    d.run(30.0)
+    assert d.governor._said[load_level(2)] is False
+    d.running, d.rates = 8, {True: 1300.0, False: 1000.0}
+    first = len(d.allowed)
+    d.run(1.5)  # about six epochs: learning from scratch would draft in the first two
+    assert not any(d.allowed[first:]) and (load_level(8), True) not in d.governor.records
+    d.run(60.0)
+    assert d.governor._said[load_level(8)] is True
+
+
+def test_a_higher_levels_go_on_carries_down() -> None:
+    """Drafting that paid at 16 streams goes on at 2 from the start, without the plain epochs a level learns from."""
+    d = Deployment(running=16, drafting_rate=1300.0, plain_rate=1000.0)
+    d.run(30.0)
+    assert d.governor._said[load_level(16)] is True
+    d.running, d.rates = 2, {True: 650.0, False: 500.0}
+    first = len(d.allowed)
+    d.run(1.5)
+    assert all(d.allowed[first:]) and (load_level(2), False) not in d.governor.records

@@ -98,6 +98,18 @@ class LoadGovernor:
             return None
         return drafted.rate >= plain.rate
 
+    def prior(self, level: int) -> bool | None:
+        """What an undecided level starts from: a step costs more the more rows it carries, so drafting pays less the
+        higher the load. Where a lower level stopped drafting, this one starts without drafts; where a higher level
+        goes on, this one starts with them. Its own epochs decide once it has enough of each kind (exploring
+        epochs supply the other kind); None: no neighbour says, the level learns from scratch.
+        """
+        if any(self._said.get(lower) is False for lower in range(level)):
+            return False
+        if any(self._said.get(higher) is True for higher in range(level + 1, len(LOAD_LEVELS))):
+            return True
+        return None
+
     def _roll(self, running: int) -> None:
         """Ends the epoch once it is long enough, recording it at the level of its mean load, and begins the next."""
         now = self.clock()
@@ -128,14 +140,18 @@ class LoadGovernor:
             self._allow = True
             return
         n = self._begun[level] = self._begun.get(level, 0) + 1
-        drafted = self.records.get((level, True))
-        if drafted is None or drafted.epochs < MIN_EPOCHS:
-            self._allow = True  # (if the price sends no drafts at this load, these epochs are recorded as plain)
-            return
         best = self.decided(level)
         if best is None:
-            self._allow = False  # epochs without drafts, to compare with
+            prior = self.prior(level)
+            if prior is not None:  # follow the neighbour's verdict, exploring as a decided level does
+                self._allow = prior if n % EXPLORE_EVERY else not prior
+                return
+            drafted = self.records.get((level, True))
+            # Epochs with drafts first (if the price sends none at this load, they are recorded as plain), then
+            # epochs without, to compare with.
+            self._allow = drafted is None or drafted.epochs < MIN_EPOCHS
             return
+        drafted = self.records[(level, True)]
         with_drafts, without = drafted.rate, self.records[(level, False)].rate
         said = self._said.get(level)
         lead = with_drafts / without - 1.0 if without > 0 else 1.0
