@@ -86,6 +86,16 @@ class EngineSettings(BaseSettings):
         description="on: one KV buffer for all sessions; off: one slice per session; auto: on when offloaded to a GPU",
     )
 
+    # A greedy session's tokens are the argmax of its logits rows; on a GPU, copying every row out (a vocabulary of
+    # floats each) and taking the argmax in numpy is a large part of a verify step's own time under load.
+    device_argmax: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="greedy sessions' argmax by llama.cpp's backend sampler, no logits copied; auto: on a GPU",
+    )
+
+    def resolved_device_argmax(self, on_gpu: bool) -> bool:
+        return self.device_argmax == "on" or (self.device_argmax == "auto" and on_gpu)
+
     def resolved_flash_attn(self, on_gpu: bool) -> bool:
         if self.flash_attn != "auto":
             return self.flash_attn == "on"

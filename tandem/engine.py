@@ -59,6 +59,29 @@ class DecodeItem:
     logits: str = "last"
 
 
+@dataclass(frozen=True)
+class DeviceArgmax:
+    """A greedy sequence's rows as llama.cpp's backend sampler left them: each row's argmax, computed where the logits
+    are (on a GPU, no row of n_vocab floats is copied out nor scanned in numpy). Indexing gives a row's token."""
+
+    tokens: np.ndarray  # int32, one per row
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> int:
+        return int(self.tokens[i])
+
+
+#: What decode returns for an item: its logits rows, or their argmaxes for a sequence with device argmax on.
+Rows = np.ndarray | DeviceArgmax
+
+
+def greedy_token(row: np.ndarray | int) -> int:
+    """The greedy choice of one row: its argmax, or the token the device computed for it."""
+    return row if isinstance(row, int) else int(row.argmax())
+
+
 def _meta(model: ctypes.c_void_p, key: str) -> str:
     buf = ctypes.create_string_buffer(4096)
     n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
@@ -168,6 +191,15 @@ def _kv_size(model, cells: int, settings: EngineSettings) -> str:
     return f"{total / 2**20:.0f} MiB"
 
 
+def _joined(parts: list[Rows]) -> Rows:
+    """An item's rows from the calls it took (an item longer than n_batch goes in several)."""
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], DeviceArgmax):
+        return DeviceArgmax(np.concatenate([p.tokens for p in parts]))  # type: ignore[union-attr]
+    return np.concatenate(parts)
+
+
 class Engine:
     """One model, one context, many sequences (one per session)."""
 
@@ -212,6 +244,9 @@ class Engine:
         # CPU default: a KV slice per session, so each session's numerics are independent of the others.
         cparams.kv_unified = settings.resolved_kv_unified(on_gpu=self.backend != "CPU")
         cparams.no_perf = True
+        self.device_argmax = settings.resolved_device_argmax(on_gpu=self.backend != "CPU")
+        if self.device_argmax:  # a verify step wants k + 1 rows of one sequence; the default allows the sampler 1
+            cparams.n_outputs_max_per_seq = 0
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise EngineFailure("llama.cpp could not create a context (out of memory? try a smaller --n-ctx)")
@@ -228,6 +263,7 @@ class Engine:
         # Each row's seq_id pointer, fetched once: going through the batch struct costs two ctypes objects a token.
         self._seq_rows = [self._batch.seq_id[r] for r in range(self.n_batch)]
         self._logits_views: dict[tuple[int, int], np.ndarray] = {}  # (buffer address, rows) -> view of it
+        self._argmax_chains: dict[int, ctypes.c_void_p] = {}  # seq_id -> its greedy sampler chain, while attached
 
         # The file name is what users recognise and pass as `model` (llama-server does the same).
         self.name = path.stem
@@ -316,11 +352,40 @@ class Engine:
 
     # ------------------------------------------------------------------ forward passes
 
-    def decode(self, items: Sequence[DecodeItem], copy: bool = True) -> list[np.ndarray]:
+    def argmax_on(self, seq_id: int) -> bool:
+        """Whether `seq_id`'s rows come back as device argmaxes."""
+        return seq_id in self._argmax_chains
+
+    def set_device_argmax(self, seq_id: int, on: bool) -> bool:
+        """Whether `seq_id`'s rows come back as device argmaxes (DeviceArgmax) from now on; returns the state.
+
+        For sessions that read nothing of a row but its argmax: greedy, no grammar, no logprobs. Attaching or
+        detaching makes llama.cpp plan its graph again at the next decode, so a slot keeps its state until a session
+        of the other kind takes it. Where the backend cannot run the sampler the engine turns the feature off.
+        """
+        on = on and self.device_argmax
+        if on == (seq_id in self._argmax_chains):
+            return on
+        if not on:
+            llama_cpp.llama_set_sampler(self._ctx, seq_id, None)
+            llama_cpp.llama_sampler_free(self._argmax_chains.pop(seq_id))
+            return False
+        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+        if not llama_cpp.llama_set_sampler(self._ctx, seq_id, chain):
+            llama_cpp.llama_sampler_free(chain)
+            log.warning("llama.cpp cannot take the argmax on %s: greedy rows are copied out", self.device)
+            self.device_argmax = False
+            return False
+        self._argmax_chains[seq_id] = chain
+        return True
+
+    def decode(self, items: Sequence[DecodeItem], copy: bool = True) -> list[Rows]:
         """Run the items' tokens through the model, several sequences per llama_decode where they fit.
 
         Returns one float32 array per item: shape (len(tokens), n_vocab) for "all", (1, n_vocab) for "last",
-        (0, n_vocab) for "none". With copy=False the arrays may be read-only views of llama.cpp's logits buffer,
+        (0, n_vocab) for "none"; for a sequence with device argmax on (set_device_argmax), a DeviceArgmax of the
+        wanted rows' tokens instead. With copy=False the arrays may be read-only views of llama.cpp's logits buffer,
         valid only until the next decode on this engine: a verify step reads a few rows of a long draft's block
         (33 rows of 49k logits cost ~0.5 ms to copy on the 2-core CPU) and needs none of them afterwards.
         """
@@ -330,14 +395,14 @@ class Engine:
                 raise ContextOverflow(
                     f"sequence of {item.start + len(item.tokens)} tokens exceeds the context size {self.n_ctx}"
                 )
-        out: list[list[np.ndarray]] = [[] for _ in items]
+        out: list[list[Rows]] = [[] for _ in items]
         plan = self._plan(items)
         for part in plan:
             self._run(items, part, out, copy=copy or len(plan) > 1)  # a later call would overwrite the buffer
         if len(out) == 1 and len(out[0]) == 1:  # one item, one call: a speculative round's every decode
             return out[0]
         empty = np.zeros((0, self.n_vocab), np.float32)
-        return [(parts[0] if len(parts) == 1 else np.concatenate(parts)) if parts else empty for parts in out]
+        return [_joined(parts) if parts else empty for parts in out]
 
     def _plan(self, items: Sequence[DecodeItem]) -> list[list[tuple[int, int, int]]]:
         """Cut the items into llama_decode calls of (item, first token, token count) parts.
@@ -369,7 +434,7 @@ class Engine:
         return plan
 
     def _run(
-        self, items: Sequence[DecodeItem], part: list[tuple[int, int, int]], out: list[list[np.ndarray]], copy: bool
+        self, items: Sequence[DecodeItem], part: list[tuple[int, int, int]], out: list[list[Rows]], copy: bool
     ) -> None:
         """One llama_decode over `part`; appends the wanted logits rows (copies, or views if not `copy`) to `out`."""
         r = 0
@@ -398,16 +463,32 @@ class Engine:
         if not wanted:
             return
         # One copy of the whole output block: llama_get_logits returns the wanted rows in batch order, and each
-        # item's rows are consecutive in it. (A numpy view per row through ctypes cost ~0.1 ms a call.)
+        # item's rows are consecutive in it. (A numpy view per row through ctypes cost ~0.1 ms a call.) Where every
+        # sequence of the batch has device argmax on, llama.cpp copies no logits out and only the tokens are read.
         n_out = len(wanted)
-        block = self._logits_block(n_out)
-        if copy:
-            block = block.copy()
+        block: np.ndarray | None = None
         first = 0
         for k in range(1, n_out + 1):
             if k == n_out or wanted[k][1] != wanted[first][1]:
-                out[wanted[first][1]].append(block[first:k])
+                i = wanted[first][1]
+                if items[i].seq_id in self._argmax_chains:
+                    out[i].append(self._sampled(wanted[first:k]))
+                else:
+                    if block is None:
+                        block = self._logits_block(n_out)
+                        if copy:
+                            block = block.copy()
+                    out[i].append(block[first:k])
                 first = k
+
+    def _sampled(self, rows: Sequence[tuple[int, int]]) -> DeviceArgmax:
+        """The backend sampler's tokens for these (batch row, item) outputs."""
+        tokens = np.fromiter(
+            (llama_cpp.llama_get_sampled_token_ith(self._ctx, r) for r, _ in rows), dtype=np.int32, count=len(rows)
+        )
+        if (tokens < 0).any():
+            raise EngineFailure("llama.cpp returned no sampled token for a row with device argmax on")
+        return DeviceArgmax(tokens)
 
     def _logits_block(self, n_out: int) -> np.ndarray:
         """A read-only view of the first n_out rows of llama.cpp's logits buffer.
@@ -426,14 +507,14 @@ class Engine:
             self._logits_views[(address, n_out)] = view
         return view
 
-    def prefill_steps(self, items: Sequence[DecodeItem]) -> Generator[None, None, list[np.ndarray]]:
+    def prefill_steps(self, items: Sequence[DecodeItem]) -> Generator[None, None, list[Rows]]:
         """Like decode, but at most n_batch tokens per forward pass and a `yield` between passes.
 
         Chunked prefill: the caller's scheduler runs other sessions' steps at each yield, so a long prompt does not
         stall running streams. Returns what decode would ("last" rows come from each item's final chunk).
         """
         done = [0] * len(items)
-        out = [np.zeros((0, self.n_vocab), np.float32) for _ in items]
+        out: list[Rows] = [np.zeros((0, self.n_vocab), np.float32) for _ in items]
         first = True
         while True:
             chunk: list[tuple[int, DecodeItem]] = []
@@ -458,10 +539,12 @@ class Engine:
             for (i, c), r in zip(chunk, rows, strict=True):
                 done[i] += len(c.tokens)
                 if len(r):
-                    out[i] = np.concatenate([out[i], r]) if items[i].logits == "all" else r
+                    out[i] = _joined([out[i], r]) if items[i].logits == "all" and len(out[i]) else r
 
     def close(self) -> None:
         if getattr(self, "_ctx", None):
+            for seq_id in list(self._argmax_chains):
+                self.set_device_argmax(seq_id, False)
             llama_cpp.llama_batch_free(self._batch)
             llama_cpp.llama_free(self._ctx)
             llama_cpp.llama_model_free(self._model)

@@ -88,9 +88,10 @@ concurrency)
   cat "$W"/model.part-* > "$W/model.gguf"
   echo "model sha256 $(sha256sum "$W/model.gguf" | cut -c1-16) (expected $(cut -c1-16 .gpu/model.sha256 2>/dev/null || echo ?))"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  python3 -m bench --model "$W/model.gguf" --target-args "--n-gpu-layers -1 --device cuda:0 --n-threads 4" \
+  # TARGET_EXTRA adds target flags (e.g. "--device-argmax off"); LABEL names the output folder.
+  python3 -m bench --model "$W/model.gguf" --target-args "--n-gpu-layers -1 --device cuda:0 --n-threads 4 ${TARGET_EXTRA:-}" \
     ${BENCH_ARGS:---concurrency 1,2,4,8,16 --workloads edit,chat,json --reps 2 --per-stream 2} \
-    --out "$OUT/concurrency" 2>&1 | tee "$OUT/concurrency.txt"
+    --out "$OUT/concurrency${LABEL:+-$LABEL}" 2>&1 | tee "$OUT/concurrency${LABEL:+-$LABEL}.txt"
   ;;
 load-check)
   # Which way of loading SmolLM2 crashes on this image (2026-12-06: services.target segfaulted in

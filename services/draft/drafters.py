@@ -23,7 +23,7 @@ import numpy as np
 
 from services.draft.text_sessions import TextState
 from tandem import sampling
-from tandem.engine import DecodeItem, Engine
+from tandem.engine import DecodeItem, Engine, greedy_token
 from tandem.grammar import Constraint, GrammarState, tokenizer_for
 from tandem.ngram import NgramIndex, ngram_draft_matched
 from tandem.sampling import SparseDist
@@ -169,6 +169,9 @@ class ModelDrafter(Drafter):
     def open_steps(self, sessions: Sequence[Session]) -> Generator[None, None, None]:
         items = []
         for s in sessions:
+            # Greedy drafting reads only each row's argmax, unless a grammar or another vocabulary masks the row.
+            argmax_only = s.sampling.greedy and s.grammar is None and not isinstance(s.extra, TextState)
+            self.engine.set_device_argmax(s.seq_id, argmax_only)
             kept = len(s.kv_tokens)  # a prefix reused from a finished session's slot (prefix cache)
             self.engine.truncate(s.seq_id, kept)
             if kept < len(s.tokens):
@@ -177,8 +180,9 @@ class ModelDrafter(Drafter):
         for s in sessions:
             s.kv_tokens = list(s.tokens)
 
-    def _catch_up(self, sessions: Sequence[Session]) -> list[np.ndarray]:
-        """Bring each KV cache to its committed sequence, reusing accepted proposals; return each last logits row.
+    def _catch_up(self, sessions: Sequence[Session]) -> list[np.ndarray | int]:
+        """Bring each KV cache to its committed sequence, reusing accepted proposals; return each last logits row
+        (its device argmax, for a session whose rows the engine reduces on the device).
 
         A short catch-up goes one token per pass, like the draft's own proposals and like target-only decoding: the
         draft's KV then matches one-token numerics exactly, so a same-model draft agrees with the target bit for bit;
@@ -194,7 +198,7 @@ class ModelDrafter(Drafter):
             self.engine.truncate(session.seq_id, kept)
             missing.append(session.tokens[kept:])
             starts.append(kept)
-        last: list[np.ndarray | None] = [None] * len(sessions)
+        last: list[np.ndarray | int | None] = [None] * len(sessions)
         # Pass 0 takes long catch-ups whole; short ones advance one token per pass.
         step = 0
         while True:
@@ -224,6 +228,7 @@ class ModelDrafter(Drafter):
         except Exception:  # the target compiles it too and answers for it; here it is only an aid
             return
         session.grammar = DraftGrammar(state, len(session.prompt))
+        self.engine.set_device_argmax(session.seq_id, False)  # the mask reads whole rows
 
     def propose(self, session: Session, max_tokens: int) -> Draft:
         return self.propose_many([(session, max_tokens)])[0]
@@ -255,7 +260,7 @@ class ModelDrafter(Drafter):
                 if (grammar is not None or shared.get(i) is not None) and not np.isfinite(row).any():
                     continue  # nothing allowed: the proposal ends here
                 if params.greedy:
-                    token = int(row.argmax())
+                    token = greedy_token(row)
                 else:
                     q = sampling.draft_distribution(row, params, self.support)
                     token = sampling.sample(q, session.rng)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from tandem import acceptance, sampling
-from tandem.engine import DecodeItem, Engine
+from tandem.engine import DecodeItem, DeviceArgmax, Engine, greedy_token
 from tandem.errors import ConditionNotMet, InvalidArgument, SessionNotFound, TandemError
 from tandem.grammar import Constraint, GrammarState, tokenizer_for
 from tandem.ngram import LookupRule
@@ -166,12 +166,23 @@ class Verifier:
                 top = tuple((int(t), self.engine.pieces[t], float(lp[t])) for t in best)
         return EmittedToken(token, self.engine.pieces[token], self.engine.is_eog(token), logprob, top)
 
-    def _pick(self, session: Session, row: np.ndarray) -> int:
-        """The target's own token from one logits row (masked first for a constrained session)."""
+    def _argmax_only(self, session: Session) -> bool:
+        """Whether nothing of the session's rows is read but their argmax (the engine may then take it on the device):
+        greedy, unconstrained, no logprobs, and batched verification (the sequential mode reads each row)."""
+        return (
+            session.sampling.greedy
+            and session.grammar is None
+            and session.top_logprobs < 0
+            and self.verify_mode == "batched"
+        )
+
+    def _pick(self, session: Session, row: np.ndarray | int) -> int:
+        """The target's own token from one logits row, or the row's device argmax (masked first for a constrained
+        session, which never has one)."""
         if session.grammar is not None:
             (row,), _ = session.grammar.mask_rows(row[None, :], ())
         if session.sampling.greedy:
-            token = int(row.argmax())
+            token = greedy_token(row)
         else:
             token = sampling.sample_logits(row, session.sampling, session.rng)
         if session.grammar is not None:
@@ -221,6 +232,7 @@ class Verifier:
                     grammar = self._grammar(spec.constraint)
                     session = self.store.create(spec.session_id, spec.prompt, spec.sampling, rng, spec.top_logprobs)
                     session.grammar = grammar
+                    self.engine.set_device_argmax(session.seq_id, self._argmax_only(session))
                     fresh.append(session)
             last_rows = yield from self._prefill(fresh)
         except BaseException:
@@ -242,7 +254,9 @@ class Verifier:
         items, todo = [], []
         for s in sessions:
             kept = len(s.kv_tokens)
-            if kept == len(s.tokens) and s.prompt_row is not None:
+            # A cached last row serves only a session that reads it the same way (a row, or its device argmax).
+            cached = s.prompt_row is not None and isinstance(s.prompt_row, int) == self.engine.argmax_on(s.seq_id)
+            if kept == len(s.tokens) and cached:
                 self.engine.truncate(s.seq_id, kept)  # the same prompt again: its cells and last row are cached
                 continue
             s.prompt_row = None
@@ -381,7 +395,8 @@ class Verifier:
         if session.sampling.greedy:
             # Argmax row by row, up to the first mismatch. Sequential verification may have stopped early: it then
             # has a row for each draft up to the mismatch, plus that one.
-            return acceptance.verify_greedy(acceptance.ArgmaxRows(rows), drafts[: len(rows) - 1])
+            argmaxes = rows.tokens if isinstance(rows, DeviceArgmax) else acceptance.ArgmaxRows(rows)
+            return acceptance.verify_greedy(argmaxes, drafts[: len(rows) - 1])
         probs = acceptance.WarpedRows(rows, session.sampling)  # warped as read: up to the first rejection
         dists = list(spec.draft_dists) if spec.draft_dists is not None else [None] * len(drafts)
         return acceptance.verify_stochastic(probs, drafts, dists, session.rng)
