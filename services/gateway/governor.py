@@ -7,9 +7,12 @@ drafts, the `make run` stack, 2026-12-06) code edits, chat and JSON ran at 0.76-
 streams while the price said their drafts paid; alone they ran at 1.61x, 1.00x and 1.13x.
 
 So under load the deployment also measures what it delivers: the tokens every generation emits per second, in short
-epochs, labelled by whether drafts were sent in them, by load level (generations running). Where epochs with drafts
-deliver less than epochs without, no request at that load drafts; one epoch in `EXPLORE_EVERY` runs the other way, so
-that a changed mix of text (or of load) can change the answer. A lone generation is never governed: its own steps
+epochs, labelled by whether drafts were sent in them, by load level (generations running). Epochs are compared in
+adjacent pairs (one of each kind, back to back at one level): what the deployment delivers moves with the mix of
+requests far more than drafting moves it (on one H100 a level's plain epochs ranged 1,464-2,528 tok/s in one run), and
+a pair sees the same mix. Where epochs with drafts deliver less than the epochs beside them without, no request at
+that load drafts; one epoch in `EXPLORE_EVERY` runs the other way (and makes two pairs), so that a changed mix of text
+(or of load) can change the answer. A lone generation is never governed: its own steps
 price it directly. This is a check on the price, per deployment, as the issue's "never slower than not drafting"
 asks; the price still chooses each round's draft length while drafting is allowed.
 """
@@ -18,7 +21,9 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,9 +33,11 @@ LOAD_LEVELS = (2, 3, 5, 9, 17)  # generations running, by level: 2, 3-4, 5-8, 9-
 EPOCH_MIN_S = 0.25  # an epoch lasts at least this long ...
 EPOCH_STEPS = 16  # ... and until it emitted this many tokens per running generation (about this many target steps)
 EPOCH_MAX_S = 10.0  # an epoch that took longer (a stall, a gap with nothing running) is discarded
-MIN_EPOCHS = 2  # epochs of each kind at a level before the level decides
+MIN_PAIRS = 2  # adjacent pairs of epochs (one of each kind) at a level before the level decides
+PAIR_GAP_S = 1.0  # two epochs at one level pair up only if the second began within this long of the first's end
+PAIR_WINDOW = 9  # a level decides on the median of its last this many pairs
 EXPLORE_EVERY = 8  # once decided, every 8th epoch at a level runs the other way
-RATE_EMA = 0.3  # weight of the newest epoch in a level's rate
+RATE_EMA = 0.3  # weight of the newest epoch in a level's rate (reported, not decided on)
 # A level's verdict changes only when the other kind leads by this much: on the 2-core CPU the two rates at 16 streams
 # of chat were within 1-2% and the verdict flipped every few seconds (2026-12-06).
 HYSTERESIS = 0.03
@@ -63,12 +70,33 @@ class LevelRecord:
 
 
 @dataclass
+class PairedRatio:
+    """log(tokens a second with drafts / without) from adjacent pairs of epochs at one level: the median of the last
+    `PAIR_WINDOW` pairs (a pair that straddles a change of mix is far off, and a mean would follow it)."""
+
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=PAIR_WINDOW))
+    pairs: int = 0
+
+    def add(self, log_ratio: float) -> None:
+        self.recent.append(log_ratio)
+        self.pairs += 1
+
+    @property
+    def log_ratio(self) -> float:
+        ordered = sorted(self.recent)
+        middle = len(ordered) // 2
+        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+@dataclass
 class LoadGovernor:
     """Epochs of drafting and of not drafting under load, and which delivered more at each level."""
 
     clock: Callable[[], float] = time.monotonic
     # (level, drafted) -> the epochs' rate: drafted is True for epochs in which drafts were sent
     records: dict[tuple[int, bool], LevelRecord] = field(default_factory=dict)
+    ratios: dict[int, PairedRatio] = field(default_factory=dict)  # level -> what its pairs of epochs said
+    _last: dict[int, tuple[bool, float, float]] = field(default_factory=dict)  # level -> last epoch: kind, rate, end
     _begun: dict[int, int] = field(default_factory=dict)  # epochs begun per level
     _said: dict[int, bool] = field(default_factory=dict)  # each level's verdict (logged when it changes)
     # Called with each recorded epoch: (level name, whether drafts were sent, tokens a second); the gateway's metrics.
@@ -92,17 +120,28 @@ class LoadGovernor:
         self._drafted += drafted
 
     def decided(self, level: int) -> bool | None:
-        """What the records say at `level`: True (drafting delivers at least as much), False, or None (too few)."""
-        drafted, plain = self.records.get((level, True)), self.records.get((level, False))
-        if drafted is None or plain is None or min(drafted.epochs, plain.epochs) < MIN_EPOCHS:
+        """What the pairs say at `level`: True (drafting delivers at least as much), False, or None (too few)."""
+        ratio = self.ratios.get(level)
+        if ratio is None or ratio.pairs < MIN_PAIRS:
             return None
-        return drafted.rate >= plain.rate
+        return ratio.log_ratio >= 0.0
+
+    def _record(self, level: int, drafted: bool, rate: float, start: float, now: float) -> None:
+        """An epoch's rate, and a pair with the level's previous epoch if that was of the other kind, just before."""
+        self.records.setdefault((level, drafted), LevelRecord()).add(rate)
+        last = self._last.get(level)
+        if last is not None and last[0] != drafted and start - last[2] <= PAIR_GAP_S and rate > 0 and last[1] > 0:
+            with_drafts, without = (rate, last[1]) if drafted else (last[1], rate)
+            self.ratios.setdefault(level, PairedRatio()).add(math.log(with_drafts / without))
+        self._last[level] = (drafted, rate, now)
+        if self.on_epoch is not None:
+            self.on_epoch(level_name(level), drafted, rate)
 
     def prior(self, level: int) -> bool | None:
         """What an undecided level starts from: a step costs more the more rows it carries, so drafting pays less the
         higher the load. Where a lower level stopped drafting, this one starts without drafts; where a higher level
-        goes on, this one starts with them. Its own epochs decide once it has enough of each kind (exploring
-        epochs supply the other kind); None: no neighbour says, the level learns from scratch.
+        goes on, this one starts with them. Its own epochs decide once they make enough pairs (each exploring epoch
+        makes two); None: no neighbour says, the level learns from scratch.
         """
         if any(self._said.get(lower) is False for lower in range(level)):
             return False
@@ -128,9 +167,7 @@ class LoadGovernor:
         level = load_level(round(mean_load))
         if level is not None:
             drafted = self._allow and self._drafted > 0  # allowed, but nothing drafted: it decoded plainly
-            self.records.setdefault((level, drafted), LevelRecord()).add(self._tokens / elapsed)
-            if self.on_epoch is not None:
-                self.on_epoch(level_name(level), drafted, self._tokens / elapsed)
+            self._record(level, drafted, self._tokens / elapsed, self._start, now)
         self._begin(running, now)
 
     def _begin(self, running: int, now: float) -> None:
@@ -146,21 +183,21 @@ class LoadGovernor:
             if prior is not None:  # follow the neighbour's verdict, exploring as a decided level does
                 self._allow = prior if n % EXPLORE_EVERY else not prior
                 return
-            drafted = self.records.get((level, True))
-            # Epochs with drafts first (if the price sends none at this load, they are recorded as plain), then
-            # epochs without, to compare with.
-            self._allow = drafted is None or drafted.epochs < MIN_EPOCHS
+            # The two kinds by turns, drafts first: each epoch pairs with the one before it. Where the price sends
+            # no drafts at this load, the allowed epochs are recorded as plain and drafting stays allowed: no pair,
+            # and the price decides.
+            last = self._last.get(level)
+            self._allow = last is None or not last[0]
             return
-        drafted = self.records[(level, True)]
-        with_drafts, without = drafted.rate, self.records[(level, False)].rate
+        lead = math.exp(self.ratios[level].log_ratio) - 1.0
         said = self._said.get(level)
-        lead = with_drafts / without - 1.0 if without > 0 else 1.0
         if said is not None and best != said and abs(lead) < HYSTERESIS:
             best = said
         if said != best:
             self._said[level] = best
             log.info(
-                "at %s generations running, drafting %s: %.0f tok/s in epochs with drafts, %.0f without",
-                level_name(level), "goes on" if best else "stops", with_drafts, without,
+                "at %s generations running, drafting %s: epochs with drafts delivered %.2fx of the epochs beside them"
+                " without (%d pairs)",
+                level_name(level), "goes on" if best else "stops", 1.0 + lead, self.ratios[level].pairs,
             )  # fmt: skip
         self._allow = best if n % EXPLORE_EVERY else not best
