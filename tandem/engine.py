@@ -284,6 +284,8 @@ class Engine:
         self.fingerprint = self._fingerprint()
         self.version = f"tandem {__version__}; llama-cpp-python {llama_cpp.__version__}"
         self.forward_ns = 0  # cumulative time inside llama_decode, for per-call timing
+        if self.device_argmax:
+            self._probe_device_argmax()
         log.info(
             "loaded %s (%s, vocab %d, %s) in %.1f s; %d session slots of %d tokens (training context %d), KV cache %s",
             self.name,
@@ -351,6 +353,22 @@ class Engine:
         llama_cpp.llama_memory_seq_rm(self._memory, seq_id, 0, -1)
 
     # ------------------------------------------------------------------ forward passes
+
+    def _probe_device_argmax(self) -> None:
+        """One token through sequence 0 with the sampler attached: llama.cpp accepts a chain whose backend lacks the
+        argmax operation and then neither samples nor copies logits, which would fail every greedy step later."""
+        ok = self.set_device_argmax(0, True)
+        if ok:
+            self._tok[0], self._pos[0], self._want[0] = self.bos_id or 0, 0, 1
+            self._seq_rows[0][0] = 0
+            self._batch.n_tokens = 1
+            ok = llama_cpp.llama_decode(self._ctx, self._batch) == 0
+            ok = ok and llama_cpp.llama_get_sampled_token_ith(self._ctx, 0) >= 0
+            self.set_device_argmax(0, False)
+            self.clear(0)
+        if not ok:
+            log.warning("llama.cpp cannot take the argmax on %s: greedy rows are copied out", self.device)
+            self.device_argmax = False
 
     def argmax_on(self, seq_id: int) -> bool:
         """Whether `seq_id`'s rows come back as device argmaxes."""

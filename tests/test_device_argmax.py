@@ -50,6 +50,19 @@ def test_auto_is_off_on_the_cpu_and_off_refuses_to_attach() -> None:
         engine.close()
 
 
+def test_a_backend_that_samples_nothing_turns_device_argmax_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp attaches a chain even where the backend lacks the argmax operation, then returns no token: the
+    engine's probe at load sees that and copies rows out instead (the one stand-in here: no such backend is at hand)."""
+    monkeypatch.setattr(engine_module.llama_cpp, "llama_get_sampled_token_ith", lambda ctx, i: -1)
+    engine = _engine("on", max_sessions=1)
+    try:
+        assert not engine.device_argmax and not engine.set_device_argmax(0, True)
+        (rows,) = engine.decode([DecodeItem(0, engine.tokenize("Hello"), 0, "last")])
+        assert isinstance(rows, np.ndarray) and rows.shape == (1, engine.n_vocab)
+    finally:
+        engine.close()
+
+
 def test_device_tokens_are_the_argmax_of_the_rows_alone_mixed_and_in_chunks() -> None:
     engine = _engine("on")
     try:

@@ -254,8 +254,8 @@ class Verifier:
         items, todo = [], []
         for s in sessions:
             kept = len(s.kv_tokens)
-            # A cached last row serves only a session that reads it the same way (a row, or its device argmax).
-            cached = s.prompt_row is not None and isinstance(s.prompt_row, int) == self.engine.argmax_on(s.seq_id)
+            # A cached device argmax serves only a session that reads nothing else; a cached row serves any session.
+            cached = s.prompt_row is not None and (not isinstance(s.prompt_row, int) or self.engine.argmax_on(s.seq_id))
             if kept == len(s.tokens) and cached:
                 self.engine.truncate(s.seq_id, kept)  # the same prompt again: its cells and last row are cached
                 continue
