@@ -188,3 +188,19 @@ def test_a_changing_mix_does_not_fool_the_comparison(caplog: pytest.LogCaptureFi
     assert said and all("drafting stops" in m for m in said), said
     late = d.allowed[len(d.allowed) // 4 :]
     assert sum(late) / len(late) < 2 / gov.EXPLORE_EVERY
+
+
+def test_an_epoch_across_a_change_of_load_is_discarded() -> None:
+    """An epoch begun with 2 generations running whose mean load came to 8 measured the load changing: it counts at
+    neither level (recorded at 8, it would pair with 8's epochs while 2's alternation chose its kind)."""
+    now = [0.0]
+    g = LoadGovernor(clock=lambda: now[0])
+    g.emitted(0, 0, 2)  # the epoch begins at 2 running
+    for _ in range(40):
+        now[0] += 0.01
+        g.emitted(10, 5, 8)
+    assert not g.records
+    for _ in range(80):  # the next epochs begin and end at 8
+        now[0] += 0.01
+        g.emitted(10, 5, 8)
+    assert (load_level(8), True) in g.records and {level for level, _ in g.records} == {load_level(8)}

@@ -107,6 +107,7 @@ class LoadGovernor:
     _drafted: int = 0
     _load_sum: int = 0
     _load_n: int = 0
+    _level: int | None = None  # the level whose schedule chose this epoch's kind (the load when it began)
 
     def allows_drafting(self, running: int) -> bool:
         """Whether a request may draft now, with `running` generations in the gateway."""
@@ -165,13 +166,16 @@ class LoadGovernor:
         if elapsed < EPOCH_MIN_S or self._tokens < EPOCH_STEPS * mean_load:
             return
         level = load_level(round(mean_load))
-        if level is not None:
+        # An epoch whose mean load left the level it began at measured a change of load, not a kind: discarded (and
+        # its level's alternation stays where it was).
+        if level is not None and level == self._level:
             drafted = self._allow and self._drafted > 0  # allowed, but nothing drafted: it decoded plainly
             self._record(level, drafted, self._tokens / elapsed, self._start, now)
         self._begin(running, now)
 
     def _begin(self, running: int, now: float) -> None:
         self._start, self._tokens, self._drafted, self._load_sum, self._load_n = now, 0, 0, running, 1
+        self._level = load_level(running)
         level = load_level(running)
         if level is None:
             self._allow = True
