@@ -283,7 +283,7 @@ class Engine:
         self.eos_text = self._piece(eos, special=True).decode("utf-8", "replace") if eos >= 0 else ""
         self.fingerprint = self._fingerprint()
         self.version = f"tandem {__version__}; llama-cpp-python {llama_cpp.__version__}"
-        self.forward_ns = 0  # cumulative time inside llama_decode, for per-call timing
+        self.forward_ns = 0  # cumulative time inside llama_decode, for per-call timing (callers read differences)
         if self.device_argmax:
             self._probe_device_argmax()
         log.info(
@@ -357,18 +357,19 @@ class Engine:
     def _probe_device_argmax(self) -> None:
         """One token through sequence 0 with the sampler attached: llama.cpp accepts a chain whose backend lacks the
         argmax operation and then neither samples nor copies logits, which would fail every greedy step later."""
-        ok = self.set_device_argmax(0, True)
-        if ok:
-            self._tok[0], self._pos[0], self._want[0] = self.bos_id or 0, 0, 1
-            self._seq_rows[0][0] = 0
-            self._batch.n_tokens = 1
-            ok = llama_cpp.llama_decode(self._ctx, self._batch) == 0
-            ok = ok and llama_cpp.llama_get_sampled_token_ith(self._ctx, 0) >= 0
+        if not self.set_device_argmax(0, True):
+            return
+        try:
+            self.decode([DecodeItem(0, [self.bos_id or 0], 0, "last")])  # no sampled token: EngineFailure
+        except EngineFailure:
+            self._turn_off_device_argmax()
+        finally:
             self.set_device_argmax(0, False)
             self.clear(0)
-        if not ok:
-            log.warning("llama.cpp cannot take the argmax on %s: greedy rows are copied out", self.device)
-            self.device_argmax = False
+
+    def _turn_off_device_argmax(self) -> None:
+        log.warning("llama.cpp cannot take the argmax on %s: greedy rows are copied out", self.device)
+        self.device_argmax = False
 
     def argmax_on(self, seq_id: int) -> bool:
         """Whether `seq_id`'s rows come back as device argmaxes."""
@@ -392,8 +393,7 @@ class Engine:
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
         if not llama_cpp.llama_set_sampler(self._ctx, seq_id, chain):
             llama_cpp.llama_sampler_free(chain)
-            log.warning("llama.cpp cannot take the argmax on %s: greedy rows are copied out", self.device)
-            self.device_argmax = False
+            self._turn_off_device_argmax()
             return False
         self._argmax_chains[seq_id] = chain
         return True

@@ -175,8 +175,7 @@ class LoadGovernor:
 
     def _begin(self, running: int, now: float) -> None:
         self._start, self._tokens, self._drafted, self._load_sum, self._load_n = now, 0, 0, running, 1
-        self._level = load_level(running)
-        level = load_level(running)
+        level = self._level = load_level(running)
         if level is None:
             self._allow = True
             return
