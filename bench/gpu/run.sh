@@ -145,6 +145,15 @@ mps-ab)
   synth mps-on
   echo quit | nvidia-cuda-mps-control
   ;;
+argmax-ab)
+  # Decision 0020 on the GPU: 8B + 0.5B on the same GPU, the middle layout and co-location, greedy argmax in llama.cpp
+  # (DA=on, the default on a GPU) or rows copied out and argmaxed in numpy (DA=off); after build in this lease.
+  MODELS="0.5b/12 8b/21" write_models
+  python3 -m bench.gpu.synth --models /tmp/models --pairs 8b:0.5b --placements "${PLACES:-same GPU}" --only tandem \
+    --ks 4 --lengths "${LENGTHS:-2,5}" --reps "${REPS:-2}" --modes target-in-gateway,co-located --deadline-s 400 \
+    --device-argmax "${DA:-on}" --out "$OUT/argmax-${DA:-on}" 2>&1 | grep '^| tandem\|^| engine\|^|---'
+  rm -rf "$OUT/argmax-${DA:-on}/logs"/*.gguf
+  ;;
 bench-x2)
   # 2-GPU machine: target on GPU 0; model draft on the CPU, on GPU 0 and on GPU 1 (no peer: see the bench stage).
   cat "$W"/model.part-* > "$W/model.gguf"

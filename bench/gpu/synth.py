@@ -326,8 +326,14 @@ def main(argv: list[str] | None = None) -> int:
         " target-in-gateway-grpc: the same with Propose over gRPC, not frames),"
         " co-located (both models inside the gateway's process: services.gateway --colocate)",
     )  # fmt: skip
+    parser.add_argument(
+        "--device-argmax", choices=("auto", "on", "off"), default="auto",
+        help="tandem's target and draft alike (greedy argmax in llama.cpp, decision 0020; auto: on a GPU)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    for flags in (TARGET_FLAGS, DRAFT_FLAGS):  # every tandem process of this run takes them
+        flags += ["--device-argmax", args.device_argmax]
     args.modes = args.modes.split(",")
     args.placements = args.placements.split(",")
     args.peer_placements = args.peer_placements.split(",") if args.peer_placements else args.placements
