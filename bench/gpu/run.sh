@@ -154,6 +154,12 @@ argmax-ab)
     --device-argmax "${DA:-on}" --out "$OUT/argmax-${DA:-on}" 2>&1 | grep '^| tandem\|^| engine\|^|---'
   rm -rf "$OUT/argmax-${DA:-on}/logs"/*.gguf
   ;;
+shape)
+  # What a step costs when its size changes (bench.gpu.shape_probe): CUDA graphs replay only while the shape holds.
+  # After build in this lease; random-weight 0.5B and 8B shapes.
+  MODELS="0.5b/12 8b/21" write_models
+  for m in 0.5b 8b; do python3 -m bench.gpu.shape_probe --model /tmp/models/$m.gguf 2>/dev/null | tee -a "$OUT/shape.md"; done
+  ;;
 bench-x2)
   # 2-GPU machine: target on GPU 0; model draft on the CPU, on GPU 0 and on GPU 1 (no peer: see the bench stage).
   cat "$W"/model.part-* > "$W/model.gguf"
