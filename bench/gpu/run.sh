@@ -156,11 +156,12 @@ argmax-ab)
   ;;
 shape)
   # What a step costs when its size changes (bench.gpu.shape_probe): CUDA graphs replay only while the shape holds.
-  # After build in this lease; random-weight 0.5B and 8B shapes.
+  # After build in this lease (FA=off after a LEAN=1 build); random-weight 0.5B and 8B shapes.
   MODELS="0.5b/12 8b/21" write_models
-  for m in 0.5b 8b; do python3 -m bench.gpu.shape_probe --model /tmp/models/$m.gguf 2>/dev/null | tee -a "$OUT/shape.md"; done
+  for m in 0.5b 8b; do python3 -m bench.gpu.shape_probe --model /tmp/models/$m.gguf --flash-attn "${FA:-on}" 2>/dev/null | tee -a "$OUT/shape.md"; done
   echo "GGML_CUDA_DISABLE_GRAPHS=1:" | tee -a "$OUT/shape.md"
-  GGML_CUDA_DISABLE_GRAPHS=1 python3 -m bench.gpu.shape_probe --model /tmp/models/0.5b.gguf 2>/dev/null | tee -a "$OUT/shape.md"
+  GGML_CUDA_DISABLE_GRAPHS=1 python3 -m bench.gpu.shape_probe --model /tmp/models/0.5b.gguf --flash-attn "${FA:-on}" \
+    2>/dev/null | tee -a "$OUT/shape.md"
   ;;
 bench-x2)
   # 2-GPU machine: target on GPU 0; model draft on the CPU, on GPU 0 and on GPU 1 (no peer: see the bench stage).

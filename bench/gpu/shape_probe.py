@@ -52,12 +52,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--n-gpu-layers", type=int, default=-1)
     parser.add_argument("--device-argmax", default="off", choices=("auto", "on", "off"))
+    parser.add_argument("--flash-attn", default="on", choices=("auto", "on", "off"))
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--context", type=int, default=256)
     args = parser.parse_args(argv)
     settings = EngineSettings(
         model=args.model, n_gpu_layers=args.n_gpu_layers, max_sessions=1, n_ctx=4096,
-        device_argmax=args.device_argmax, flash_attn="on" if args.n_gpu_layers else "auto",
+        device_argmax=args.device_argmax, flash_attn=args.flash_attn,
     )  # fmt: skip
     prepare_process(settings)
     engine = Engine(settings)
