@@ -21,6 +21,7 @@ CONSTANT = [1, 2, 3, 4, 5]  # each size alone first: the price of a mixed patter
 PATTERNS = {
     "1,5 alternating": [1, 5],
     "5,1,1,1": [5, 1, 1, 1],
+    "2,1,1,1 (a draft's round)": [2, 1, 1, 1],
     "2..5 cycling": [2, 3, 4, 5],
     "4,5 alternating": [4, 5],
 }
