@@ -243,6 +243,7 @@ class Engine:
         cparams.type_v = _GGML_TYPES[settings.cache_type_v]
         # CPU default: a KV slice per session, so each session's numerics are independent of the others.
         cparams.kv_unified = settings.resolved_kv_unified(on_gpu=self.backend != "CPU")
+        self.kv_unified = bool(cparams.kv_unified)
         cparams.no_perf = True
         self.device_argmax = settings.resolved_device_argmax(on_gpu=self.backend != "CPU")
         if self.device_argmax:  # a verify step wants k + 1 rows of one sequence; the default allows the sampler 1
@@ -425,14 +426,21 @@ class Engine:
     def _plan(self, items: Sequence[DecodeItem]) -> list[list[tuple[int, int, int]]]:
         """Cut the items into llama_decode calls of (item, first token, token count) parts.
 
-        Sequences in one call always carry the same number of tokens: with a KV slice per sequence, llama.cpp
-        0.3.36 splits a batch into equal per-sequence ubatches, and when the counts differ the logits come out
-        wrong (by up to ~1.2 on SmolLM2, measured; equal counts are bit-identical to decoding alone). So items are
-        grouped by length, each group packed into calls of at most n_batch tokens, and an item longer than n_batch
-        goes alone, in chunks.
+        With a KV slice per sequence, sequences in one call carry the same number of tokens: llama.cpp 0.3.36 then
+        splits a batch into equal per-sequence ubatches, and when the counts differ the logits come out wrong (by up
+        to ~1.2 on SmolLM2, measured; equal counts are bit-identical to decoding alone). So items are grouped by
+        length, each group packed into calls of at most n_batch tokens, and an item longer than n_batch goes alone,
+        in chunks. With one KV buffer for all (`kv_unified`, the GPU default) llama.cpp takes any mix of lengths in
+        one ubatch, and one call a step matters there: on one H100 a step whose token count differs from the step
+        before costs 1.2x (8B) to 1.9x (0.5B) of a step of an unchanged count, as CUDA graphs are recorded again
+        (docs/decisions/0021), and under load a speculative step of sessions with different draft lengths was as
+        many calls, each of a new size, as there were lengths.
         """
         if len(items) == 1 and 0 < len(items[0].tokens) <= self.n_batch:
             return [[(0, 0, len(items[0].tokens))]]
+        if self.kv_unified:
+            filled = [i for i, item in enumerate(items) if item.tokens]
+            return self._packed(items, sorted(filled, key=lambda i: items[i].seq_id))
         by_length: dict[int, list[int]] = {}
         for i, item in enumerate(items):
             if item.tokens:
@@ -449,6 +457,26 @@ class Engine:
             per_call = self.n_batch // length
             for c in range(0, len(members), per_call):
                 plan.append([(i, 0, length) for i in members[c : c + per_call]])
+        return plan
+
+    def _packed(self, items: Sequence[DecodeItem], order: list[int]) -> list[list[tuple[int, int, int]]]:
+        """Items of any lengths (in `order`) packed into calls of at most n_batch tokens; an item that does not fit the
+        room left starts a new call, one longer than n_batch goes alone, in chunks."""
+        plan: list[list[tuple[int, int, int]]] = []
+        call: list[tuple[int, int, int]] = []
+        room = self.n_batch
+        for i in order:
+            length = len(items[i].tokens)
+            if length > self.n_batch:
+                plan += [[(i, off, min(self.n_batch, length - off))] for off in range(0, length, self.n_batch)]
+                continue
+            if length > room:
+                plan.append(call)
+                call, room = [], self.n_batch
+            call.append((i, 0, length))
+            room -= length
+        if call:
+            plan.append(call)
         return plan
 
     def _run(

@@ -151,8 +151,8 @@ argmax-ab)
   MODELS="0.5b/12 8b/21" write_models
   python3 -m bench.gpu.synth --models /tmp/models --pairs 8b:0.5b --placements "${PLACES:-same GPU}" --only tandem \
     --ks 4 --lengths "${LENGTHS:-2,5}" --reps "${REPS:-2}" --modes target-in-gateway,co-located --deadline-s 400 \
-    --device-argmax "${DA:-on}" --out "$OUT/argmax-${DA:-on}" 2>&1 | grep '^| tandem\|^| engine\|^|---'
-  rm -rf "$OUT/argmax-${DA:-on}/logs"/*.gguf
+    --device-argmax "${DA:-on}" --flash-attn "${FA:-on}" --out "$OUT/argmax-${DA:-on}${LABEL:-}" 2>&1 | grep '^| tandem\|^| engine\|^|---'
+  rm -rf "$OUT/argmax-${DA:-on}${LABEL:-}/logs"
   ;;
 shape)
   # What a step costs when its size changes (bench.gpu.shape_probe): CUDA graphs replay only while the shape holds.
