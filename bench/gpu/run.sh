@@ -88,10 +88,17 @@ concurrency)
   cat "$W"/model.part-* > "$W/model.gguf"
   echo "model sha256 $(sha256sum "$W/model.gguf" | cut -c1-16) (expected $(cut -c1-16 .gpu/model.sha256 2>/dev/null || echo ?))"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  # TARGET_EXTRA adds target flags (e.g. "--device-argmax off"); LABEL names the output folder.
-  python3 -m bench --model "$W/model.gguf" --target-args "--n-gpu-layers -1 --device cuda:0 --n-threads 4 ${TARGET_EXTRA:-}" \
+  # TARGET_EXTRA adds target flags (e.g. "--device-argmax off"); LABEL names the output folder. BASELINE=a tarball of
+  # an earlier commit's code (carried; `git archive C tandem services bench pyproject.toml | gzip > .gpu/base.tar.gz`)
+  # runs that code instead, with this tree's generated tandem/v1: a baseline in the same lease.
+  SRC=$PWD
+  if [ -n "${BASELINE:-}" ]; then
+    SRC=/tmp/baseline && rm -rf "$SRC" && mkdir -p "$SRC" && tar xzf "$BASELINE" -C "$SRC" && cp -r tandem/v1 "$SRC/tandem/"
+  fi
+  (cd "$SRC" && PYTHONPATH=/tmp/site:$SRC python3 -m bench --model "$W/model.gguf" \
+    --target-args "--n-gpu-layers -1 --device cuda:0 --n-threads 4 ${TARGET_EXTRA:-}" \
     ${BENCH_ARGS:---concurrency 1,2,4,8,16 --workloads edit,chat,json --reps 2 --per-stream 2} \
-    --out "$OUT/concurrency${LABEL:+-$LABEL}" 2>&1 | tee "$OUT/concurrency${LABEL:+-$LABEL}.txt"
+    --out "$OUT/concurrency${LABEL:+-$LABEL}" 2>&1 | tee "$OUT/concurrency${LABEL:+-$LABEL}.txt")
   ;;
 load-check)
   # Which way of loading SmolLM2 crashes on this image (2026-12-06: services.target segfaulted in
