@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from services.gateway import costs as costs_module
 from services.gateway import governor as gov
 from services.gateway.adaptive import MatchLengthPolicy
 from services.gateway.costs import CostModel
@@ -204,3 +205,31 @@ def test_an_epoch_across_a_change_of_load_is_discarded() -> None:
         now[0] += 0.01
         g.emitted(10, 5, 8)
     assert (load_level(8), True) in g.records and {level for level, _ in g.records} == {load_level(8)}
+
+
+def test_replicas_sharing_a_target_are_governed_at_the_targets_load() -> None:
+    """A gateway counts its own generations; the target's steps also carry other gateways' sessions (replicas of the
+    gateway in front of one target). The governor's load is the larger of the two while the last step is fresh: one
+    generation here beside seven of a replica is governed at 8 (a level whose epochs said stop), a lone generation
+    with nothing shared is not governed, and a stale step no longer counts."""
+    now = [0]
+    costs = CostModel(running=lambda: 1, clock=lambda: now[0])
+    assert costs.target_load() == 1
+    for extra in (0, 3, 1, 4, 2) * 6:
+        costs.observe_verify(8 + extra, 8, int((12.0 + 4.5 * (8 + extra)) * 1e6))
+    costs.observe_overhead(2e6, step_sequences=1)
+    costs.observe_plain_token(48e6)
+    assert costs.target_load() == 8
+    level = load_level(8)
+    for _ in range(gov.MIN_PAIRS):  # at 8 running, epochs with drafts delivered less than those beside them
+        costs.governor.ratios.setdefault(level, gov.PairedRatio()).add(math.log(500.0 / 900.0))
+    costs.governor._start = None
+    costs.governor._begun[level] = 1
+    priced = costs.round_costs(4)
+    assert priced is not None and all(math.isinf(c) for c in priced[1:])  # the replica's load stopped the drafts
+    now[0] += costs_module.SHARED_STEP_FRESH_NS + 1  # the step is stale: only this gateway's one generation
+    assert costs.target_load() == 1
+    assert costs.governor.allows_drafting(costs.target_load())
+    alone = CostModel(running=lambda: 3, clock=lambda: now[0])
+    alone.observe_verify(4, 2, 10_000_000)  # a step of two of its own three sessions: its own count stands
+    assert alone.target_load() == 3

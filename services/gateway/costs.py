@@ -147,6 +147,15 @@ class CostModel:
         sessions, at_ns = self._last_step
         return float(sessions) if sessions >= 2 and self.clock() - at_ns < SHARED_STEP_FRESH_NS else 1.0
 
+    def target_load(self) -> int:
+        """Generations running at the target, as far as this gateway can tell, for the load governor: its own, or
+        the sessions of the target's latest step where that is more (within `SHARED_STEP_FRESH_NS`). A step carries
+        the sessions of every gateway that shares the target (replicas), which this gateway's own count misses;
+        with one gateway a step never holds more sessions than it runs."""
+        own = self.running() if self.running is not None else 0
+        sessions, at_ns = self._last_step
+        return max(own, sessions) if self.clock() - at_ns < SHARED_STEP_FRESH_NS else own
+
     def line(self, remembered: bool = False) -> tuple[float, float] | None:
         """(fixed ns, ns per token) of a target forward pass, or None until recent steps had two different sizes.
 
@@ -291,7 +300,7 @@ class CostModel:
             overhead = self.overhead_alone_ns
         else:
             overhead = (self.overhead_ns or 0.0) / self.sequences
-        if self.running is not None and not self.governor.allows_drafting(self.running()):
+        if self.running is not None and not self.governor.allows_drafting(self.target_load()):
             return [part + per_token, *[math.inf] * max_k]  # measured: drafts at this load delivered less
         drafted = [
             (part + per_token * (k + 1) + overhead + self.draft_token_ns * k) * LOADED_DRAFT_MARGIN

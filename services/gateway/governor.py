@@ -7,7 +7,8 @@ drafts, the `make run` stack, 2026-12-06) code edits, chat and JSON ran at 0.76-
 streams while the price said their drafts paid; alone they ran at 1.61x, 1.00x and 1.13x.
 
 So under load the deployment also measures what it delivers: the tokens every generation emits per second, in short
-epochs, labelled by whether drafts were sent in them, by load level (generations running). Epochs are compared in
+epochs, labelled by whether drafts were sent in them, by load level (generations running at the target: this
+gateway's, or the sessions of the target's latest step where more, `CostModel.target_load`). Epochs are compared in
 adjacent pairs (one of each kind, back to back at one level): what the deployment delivers moves with the mix of
 requests far more than drafting moves it (on one H100 a level's plain epochs ranged 1,464-2,528 tok/s in one run), and
 a pair sees the same mix. Where epochs with drafts deliver less than the epochs beside them without, no request at
