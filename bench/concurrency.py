@@ -77,6 +77,10 @@ METRICS = {
     "drafted": "tandem_spec_decode_num_draft_tokens_total",
     "accepted": "tandem_spec_decode_num_accepted_tokens_total",
     "target_calls": 'tandem_upstream_calls_total{service="target"}',
+    # The target's forward passes and engine steps for those calls: forward time a step, on against off, says
+    # whether a mode's loss is in the steps (on a GPU, steps whose size keeps changing: decision 0021) or around them.
+    "target_forward_s": 'tandem_upstream_compute_seconds_total{service="target"}',
+    "target_steps": "tandem_upstream_target_steps_total",
 }
 
 
@@ -148,6 +152,17 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _step_ms(row: dict) -> str:
+    """'on / off' forward ms a target step over a cell's samples ('-' where the gateway reported no steps)."""
+    rates = []
+    for mode in ("on", "off"):
+        samples = [s for s in row["samples"] if s["mode"] == mode]
+        steps = sum(s.get("target_steps", 0.0) for s in samples)
+        forward = sum(s.get("target_forward_s", 0.0) for s in samples)
+        rates.append(f"{1e3 * forward / steps:.2f}" if steps else "-")
+    return " / ".join(rates)
+
+
 def write(out: Path, meta: dict, rows: list[dict]) -> None:
     (out / "concurrency.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     levels = sorted({r["concurrency"] for r in rows})
@@ -166,6 +181,11 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
         for c in levels:
             r = cell.get((name, c))
             parts.append(f"{r['on_tok_s']} / {r['off_tok_s']} (**{r['ratio']:.2f}**)" if r else "-")
+        lines.append(f"| {name} | " + " | ".join(parts) + " |")
+    lines += ["", "The target's forward time per engine step, ms, on / off (all samples of a cell):", ""]
+    lines += ["| workload | " + " | ".join(str(c) for c in levels) + " |", "|---|" + "---|" * len(levels)]
+    for name in names:
+        parts = [_step_ms(cell[(name, c)]) if (name, c) in cell else "-" for c in levels]
         lines.append(f"| {name} | " + " | ".join(parts) + " |")
     (out / "concurrency.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

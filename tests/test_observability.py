@@ -41,6 +41,7 @@ def _metric(text: str, name: str, labels: str = "") -> float:
 def test_metrics_count_speculation(gateway: Service) -> None:
     before = httpx.get(f"{gateway.address}/metrics").text
     drafts0 = _metric(before, "tandem_spec_decode_num_drafts_total")
+    steps0 = _metric(before, "tandem_upstream_target_steps_total")
     reply = httpx.post(
         f"{gateway.address}/v1/chat/completions",
         json=FIXED_K_EDIT,
@@ -60,6 +61,11 @@ def test_metrics_count_speculation(gateway: Service) -> None:
     assert _metric(after, "tandem_sessions_active", '{service="draft"}') == 0
     assert _metric(after, "tandem_upstream_up", '{service="target"}') == 1
     assert _metric(after, "tandem_kv_capacity_tokens", '{service="target"}') == 2048
+    # The target's engine steps for the request (one a verify round, several a target-only call): at least one a call,
+    # and with its forward time they give a step's cost (bench/concurrency.py records both per sample).
+    steps = _metric(after, "tandem_upstream_target_steps_total") - steps0
+    assert steps == timings["verify_steps"] and steps >= timings["verify_calls"] >= 1
+    assert _metric(after, "tandem_upstream_compute_seconds_total", '{service="target"}') > 0
 
 
 def _epochs_at_two(text: str) -> float:

@@ -91,6 +91,11 @@ class GatewayMetrics:
         self.compute_seconds = Counter(
             "tandem_upstream_compute_seconds", "time inside each model's forward passes", ["service"], registry=r
         )
+        self.target_steps = Counter(
+            "tandem_upstream_target_steps",
+            "engine steps the target ran for those calls (with compute: time a step)",
+            registry=r,
+        )
         self.round_kinds = Counter(
             "tandem_round_kinds",
             "rounds and calls by how they were sent (lookahead, overlapped, pipelined, follow_up, continued, ...)",
@@ -121,6 +126,7 @@ class GatewayMetrics:
                 self.calls.labels(service=service).inc(calls)
                 self.rpc_seconds.labels(service=service).inc(rpc_ns / 1e9)
                 self.compute_seconds.labels(service=service).inc(forward_ns / 1e9)
+        self.target_steps.inc(stats.verify_steps)
         for kind, n in (
             ("lookahead", stats.lookahead_rounds),
             ("overlapped", stats.overlapped_rounds),
