@@ -153,7 +153,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _step_ms(row: dict) -> str:
-    """'on / off' forward ms a target step over a cell's samples ('-' where the gateway reported no steps)."""
+    """'on / off' forward ms a target step over a cell's samples, each step weighted by the calls it served (both
+    counters are summed per request); '-' where the gateway reported no steps."""
     rates = []
     for mode in ("on", "off"):
         samples = [s for s in row["samples"] if s["mode"] == mode]

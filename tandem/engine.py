@@ -460,8 +460,8 @@ class Engine:
         return plan
 
     def _packed(self, items: Sequence[DecodeItem], order: list[int]) -> list[list[tuple[int, int, int]]]:
-        """Items of any lengths (in `order`) packed into calls of at most n_batch tokens; an item that does not fit the
-        room left starts a new call, one longer than n_batch goes alone, in chunks."""
+        """Items of any lengths (in `order`, distinct sequences) packed into calls of at most n_batch tokens; an item
+        that does not fit the room left starts a new call, one longer than n_batch goes alone, in chunks."""
         plan: list[list[tuple[int, int, int]]] = []
         call: list[tuple[int, int, int]] = []
         room = self.n_batch

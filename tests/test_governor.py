@@ -227,9 +227,24 @@ def test_replicas_sharing_a_target_are_governed_at_the_targets_load() -> None:
     costs.governor._begun[level] = 1
     priced = costs.round_costs(4)
     assert priced is not None and all(math.isinf(c) for c in priced[1:])  # the replica's load stopped the drafts
-    now[0] += costs_module.SHARED_STEP_FRESH_NS + 1  # the step is stale: only this gateway's one generation
+    now[0] += costs_module.TARGET_LOAD_FRESH_NS + 1  # the step is stale: only this gateway's one generation
     assert costs.target_load() == 1
     assert costs.governor.allows_drafting(costs.target_load())
     alone = CostModel(running=lambda: 3, clock=lambda: now[0])
     alone.observe_verify(4, 2, 10_000_000)  # a step of two of its own three sessions: its own count stands
     assert alone.target_load() == 3
+
+
+def test_a_replicas_epochs_last_by_its_own_generations() -> None:
+    """Replicas: one generation here (10 tokens a second, a slow host) among eight at the target. Its epochs end after
+    EPOCH_STEPS tokens of its own generation, not EPOCH_STEPS per generation at the target (which would take 12.8 s,
+    past EPOCH_MAX_S, and discard every epoch): they are recorded at the target's level, 5-8."""
+    now = [0.0]
+    governor = LoadGovernor(clock=lambda: now[0])
+    for _ in range(600):  # 60 s
+        allow = governor.allows_drafting(8, own=1)
+        governor.emitted(1, 1 if allow else 0, 8, own=1)
+        now[0] += 0.1
+    recorded = sum(r.epochs for (level, _), r in governor.records.items() if level == load_level(8))
+    assert recorded >= 20, governor.records
+    assert all(level == load_level(8) for level, _ in governor.records)

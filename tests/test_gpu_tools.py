@@ -1,5 +1,6 @@
-"""The GPU bench's source patch (bench/gpu/cuda_graph_key.py): it rewrites exactly the function it knows, once, and
-refuses a llama.cpp whose function has changed (a silent no-op would make an A/B compare two identical builds)."""
+"""The GPU bench's source patch (bench/gpu/cuda_graph_key.py): it rewrites exactly the code it knows, in both files,
+once, and refuses a llama.cpp whose code has changed (a silent no-op would make an A/B compare two identical
+builds) or a tree left half patched."""
 
 from __future__ import annotations
 
@@ -7,28 +8,35 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu.cuda_graph_key import FILE, ORIGINAL, PATCHED, patch
+from bench.gpu.cuda_graph_key import CACHE_FILE, CACHE_ORIGINAL, CACHE_PATCHED, FILE, ORIGINAL, PATCHED, patch
 
 
-def _tree(tmp_path: Path, body: str) -> Path:
-    path = tmp_path / FILE
-    path.parent.mkdir(parents=True)
-    path.write_text(f"#include <x>\n\nstatic int before;\n\n{body}\n\nstatic bool ggml_cuda_graph_update_required();\n")
+def _tree(tmp_path: Path, key_body: str = ORIGINAL, cache_body: str = CACHE_ORIGINAL) -> Path:
+    for name, body in ((FILE, key_body), (CACHE_FILE, cache_body)):
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"#include <x>\n\nstatic int before;\n\n{body}\n\nstatic bool after();\n")
     return tmp_path
 
 
-def test_patch_rewrites_the_key_function_once(tmp_path: Path) -> None:
-    root = _tree(tmp_path, ORIGINAL)
+def test_patch_rewrites_the_key_and_bounds_the_cache_once(tmp_path: Path) -> None:
+    root = _tree(tmp_path)
     assert patch(root) is True
-    text = (root / FILE).read_text()
-    assert PATCHED in text and ORIGINAL not in text
-    assert text.startswith("#include <x>\n\nstatic int before;") and text.rstrip().endswith("update_required();")
-    assert "mix((uint64_t) cgraph->nodes[0]->ne[i]);" in text and "last->ne[i]" in text  # shape is in the key
+    key, cache = (root / FILE).read_text(), (root / CACHE_FILE).read_text()
+    assert PATCHED in key and ORIGINAL not in key and CACHE_PATCHED in cache
+    for text in (key, cache):
+        assert text.startswith("#include <x>\n\nstatic int before;") and text.rstrip().endswith("after();")
+    assert "mix((uint64_t) cgraph->nodes[0]->ne[i]);" in key and "last->ne[i]" in key  # the shape is in the key
+    assert "while (cuda_graphs.size() >= 32)" in cache  # and the cache keeps the graphs used last
     assert patch(root) is False
-    assert (root / FILE).read_text() == text
+    assert (root / FILE).read_text() == key and (root / CACHE_FILE).read_text() == cache
 
 
-def test_patch_refuses_a_changed_function(tmp_path: Path) -> None:
-    root = _tree(tmp_path, ORIGINAL.replace("return cgraph->nodes[0];", "return cgraph->nodes[1];"))
-    with pytest.raises(SystemExit, match="not the function this patch expects"):
-        patch(root)
+def test_patch_refuses_changed_code_and_a_half_patched_tree(tmp_path: Path) -> None:
+    changed = _tree(tmp_path / "a", key_body=ORIGINAL.replace("nodes[0];", "nodes[1];"))
+    with pytest.raises(SystemExit, match="not the code this patch expects"):
+        patch(changed)
+    assert (changed / CACHE_FILE).read_text().count(CACHE_ORIGINAL) == 1  # nothing written
+    half = _tree(tmp_path / "b", key_body=PATCHED)
+    with pytest.raises(SystemExit, match="half patched"):
+        patch(half)

@@ -213,7 +213,8 @@ def test_batched_verify_with_flash_attention_is_identical(
     """Batched verification, prefix reuse and continuous batching on (the defaults), one request at a time (steps
     run inline) and four at a time (steps merged on the engine threads): with kernels that round a batch row like a
     single token, every text and every logprob equals target-only decoding, and a same-model draft is never
-    rejected."""
+    rejected. With one KV buffer four at a time are not exact (below): they finish, agree with target-only decoding
+    to rounding (logprobs within 1.0) up to where a text parts, and a text parts only at a near-tie (margin < 1)."""
     gateway, target, draft = fa_stack
     plain = [_chat(gateway, p, n_max=0) for p in PROMPTS]
     inline_before = _info(target.address, pb_grpc.TargetStub).load.inline_steps
@@ -226,11 +227,22 @@ def test_batched_verify_with_flash_attention_is_identical(
         together = list(pool.map(lambda p: _chat(gateway, p, n_max=N_MAX), PROMPTS))
     assert _info(target.address, pb_grpc.TargetStub).load.max_step_calls >= 2  # concurrent requests still share steps
     # One KV buffer for all sessions is exact for one request at a time; with several, where each session's cells
-    # sit in the shared buffer changes how flash attention's blocks round (measured here: a logprob 0.002 apart
-    # after 126 tokens, or one text differing), with or without a step's unequal lengths packed into one call. That is
-    # why the CPU default is a slice per session (docs/decisions/0011); its exactness under packing is tested bit for
-    # bit in tests/test_engine.py, from the same cells.
-    unified = request.node.callspec.id.endswith("kv-unified")
+    # sit in the shared buffer (after other sessions' rollbacks) changes the order in which flash attention sums them
+    # in f16 (measured here: logprobs 0.002 to 0.28 apart before any divergence, or one text parting at a near-tie),
+    # with or without a step's unequal lengths packed into one call. That is why the CPU default is a slice per
+    # session (docs/decisions/0011); packing itself is tested bit for bit in tests/test_engine.py, from the same cells.
+    unified = request.node.callspec.params["fa_stack"] == "on"
+    if unified:  # packed steps: rounding-sized differences only, not rows of another sequence
+        worst = 0.0
+        for a, b in zip(plain, together, strict=True):
+            assert b["choices"][0]["finish_reason"] in ("stop", "length")
+            for x, y in zip(_tokens(a), _tokens(b), strict=False):  # lengths may differ past a divergence
+                if x["token"] != y["token"]:  # a text may part only where target-only had a near-tie
+                    assert _margin(x) < 1.0, (x, y)
+                    break
+                worst = max(worst, abs(x["logprob"] - y["logprob"]))
+        assert worst < 1.0, worst  # a row of another sequence would be off by whole units
+        print(f"\none KV buffer, four at a time: logprobs up to {worst:.4f} from target-only before any divergence")
     for spec in (alone,) if unified else (alone, together):
         drafted = sum(s["timings"]["draft_n"] for s in spec)
         accepted = sum(s["timings"]["draft_n_accepted"] for s in spec)

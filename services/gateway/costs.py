@@ -37,6 +37,9 @@ SIZE_TRUSTED = 3  # observations of a size before its own measurement replaces t
 # step is then its own tokens' cost plus its part of the fixed cost, and a plain token is priced the same way.
 LOADED_SEQUENCES = 1.5
 SHARED_STEP_FRESH_NS = 500_000_000  # a target step shared with sessions of other clients says it is busy this recently
+# ... and, for the load governor's level, that many sessions run at the target: longer, so that a pause between one
+# gateway's calls (a long prefill elsewhere, slow steps under load) does not drop the level to its own count.
+TARGET_LOAD_FRESH_NS = 2_000_000_000
 # Under load a round must beat plain decoding by this factor as priced. The price is a model (a fitted line, a lone
 # round's overhead) and under load it errs towards drafting: chat's lookup drafts, accepted 87% of the time and priced
 # ~10% ahead of plain tokens, ran 8 streams at 0.84-0.98x of not drafting (2026-12-06). Copied text (~97% accepted)
@@ -147,14 +150,18 @@ class CostModel:
         sessions, at_ns = self._last_step
         return float(sessions) if sessions >= 2 and self.clock() - at_ns < SHARED_STEP_FRESH_NS else 1.0
 
+    def own_load(self) -> int:
+        """Generations this gateway runs now."""
+        return self.running() if self.running is not None else 0
+
     def target_load(self) -> int:
         """Generations running at the target, as far as this gateway can tell, for the load governor: its own, or
-        the sessions of the target's latest step where that is more (within `SHARED_STEP_FRESH_NS`). A step carries
+        the sessions of the target's latest step where that is more (within `TARGET_LOAD_FRESH_NS`). A step carries
         the sessions of every gateway that shares the target (replicas), which this gateway's own count misses;
-        with one gateway a step never holds more sessions than it runs."""
-        own = self.running() if self.running is not None else 0
+        with one gateway a step holds no more sessions than it runs, but for a moment after one of them ends."""
+        own = self.own_load()
         sessions, at_ns = self._last_step
-        return max(own, sessions) if self.clock() - at_ns < SHARED_STEP_FRESH_NS else own
+        return max(own, sessions) if self.clock() - at_ns < TARGET_LOAD_FRESH_NS else own
 
     def line(self, remembered: bool = False) -> tuple[float, float] | None:
         """(fixed ns, ns per token) of a target forward pass, or None until recent steps had two different sizes.
@@ -300,7 +307,7 @@ class CostModel:
             overhead = self.overhead_alone_ns
         else:
             overhead = (self.overhead_ns or 0.0) / self.sequences
-        if self.running is not None and not self.governor.allows_drafting(self.target_load()):
+        if self.running is not None and not self.governor.allows_drafting(self.target_load(), self.own_load()):
             return [part + per_token, *[math.inf] * max_k]  # measured: drafts at this load delivered less
         drafted = [
             (part + per_token * (k + 1) + overhead + self.draft_token_ns * k) * LOADED_DRAFT_MARGIN

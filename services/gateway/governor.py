@@ -13,7 +13,7 @@ adjacent pairs (one of each kind, back to back at one level): what the deploymen
 requests far more than drafting moves it (on one H100 a level's plain epochs ranged 1,464-2,528 tok/s in one run), and
 a pair sees the same mix. Where epochs with drafts deliver less than the epochs beside them without, no request at
 that load drafts; one epoch in `EXPLORE_EVERY` runs the other way (and makes two pairs), so that a changed mix of text
-(or of load) can change the answer. A lone generation is never governed: its own steps
+(or of load) can change the answer. A lone generation at the target is never governed: its own steps
 price it directly. This is a check on the price, per deployment, as the issue's "never slower than not drafting"
 asks; the price still chooses each round's draft length while drafting is allowed.
 """
@@ -107,17 +107,20 @@ class LoadGovernor:
     _tokens: int = 0
     _drafted: int = 0
     _load_sum: int = 0
+    _own_sum: int = 0  # this gateway's generations, summed like _load_sum (the epoch's token goal)
     _load_n: int = 0
     _level: int | None = None  # the level whose schedule chose this epoch's kind (the load when it began)
 
-    def allows_drafting(self, running: int) -> bool:
-        """Whether a request may draft now, with `running` generations in the gateway."""
-        self._roll(running)
+    def allows_drafting(self, running: int, own: int | None = None) -> bool:
+        """Whether a request may draft now, with `running` generations at the target, `own` of them this gateway's
+        (default: all)."""
+        self._roll(running, running if own is None else own)
         return self._allow or load_level(running) is None
 
-    def emitted(self, tokens: int, drafted: int, running: int) -> None:
-        """A generation emitted `tokens` tokens, and had `drafted` draft tokens verified since it last emitted."""
-        self._roll(running)
+    def emitted(self, tokens: int, drafted: int, running: int, own: int | None = None) -> None:
+        """A generation emitted `tokens` tokens, and had `drafted` draft tokens verified since it last emitted, with
+        `running` generations at the target, `own` of them this gateway's (default: all)."""
+        self._roll(running, running if own is None else own)
         self._tokens += tokens
         self._drafted += drafted
 
@@ -151,20 +154,23 @@ class LoadGovernor:
             return True
         return None
 
-    def _roll(self, running: int) -> None:
-        """Ends the epoch once it is long enough, recording it at the level of its mean load, and begins the next."""
+    def _roll(self, running: int, own: int) -> None:
+        """Ends the epoch once it is long enough, recording it at the level of its mean load, and begins the next.
+        Long enough: EPOCH_STEPS tokens per generation of this gateway's (the tokens it counts are its own; with
+        replicas sharing the target, `running` also holds theirs)."""
         now = self.clock()
         if self._start is None:
-            self._begin(running, now)
+            self._begin(running, now, own)
             return
         self._load_sum += running
+        self._own_sum += own
         self._load_n += 1
         elapsed = now - self._start
         mean_load = self._load_sum / self._load_n
         if elapsed > EPOCH_MAX_S:
-            self._begin(running, now)  # discarded: it measured a stall or an idle gap, not the decoding
+            self._begin(running, now, own)  # discarded: it measured a stall or an idle gap, not the decoding
             return
-        if elapsed < EPOCH_MIN_S or self._tokens < EPOCH_STEPS * mean_load:
+        if elapsed < EPOCH_MIN_S or self._tokens < EPOCH_STEPS * max(self._own_sum / self._load_n, 1.0):
             return
         level = load_level(round(mean_load))
         # An epoch whose mean load left the level it began at measured a change of load, not a kind: discarded (and
@@ -172,10 +178,11 @@ class LoadGovernor:
         if level is not None and level == self._level:
             drafted = self._allow and self._drafted > 0  # allowed, but nothing drafted: it decoded plainly
             self._record(level, drafted, self._tokens / elapsed, self._start, now)
-        self._begin(running, now)
+        self._begin(running, now, own)
 
-    def _begin(self, running: int, now: float) -> None:
+    def _begin(self, running: int, now: float, own: int | None = None) -> None:
         self._start, self._tokens, self._drafted, self._load_sum, self._load_n = now, 0, 0, running, 1
+        self._own_sum = running if own is None else own
         level = self._level = load_level(running)
         if level is None:
             self._allow = True

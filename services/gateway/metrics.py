@@ -93,7 +93,7 @@ class GatewayMetrics:
         )
         self.target_steps = Counter(
             "tandem_upstream_target_steps",
-            "engine steps the target ran for those calls (with compute: time a step)",
+            "engine steps of those calls, once per call (a step shared by n calls counts n times, as compute does)",
             registry=r,
         )
         self.round_kinds = Counter(

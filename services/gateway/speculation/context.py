@@ -104,7 +104,7 @@ class Context:
         self.last_token_ns = now
         if self.costs.running is not None:  # the deployment's delivery, for the governor under load
             drafted, self._drafted_seen = self.stats.draft_n - self._drafted_seen, self.stats.draft_n
-            self.costs.governor.emitted(1, drafted, self.costs.target_load())
+            self.costs.governor.emitted(1, drafted, self.costs.target_load(), self.costs.own_load())
         return token.is_eog or self.pos.produced >= self.req.max_tokens
 
     # ---------------------------------------------------------------- the drafter's health
