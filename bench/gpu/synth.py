@@ -122,7 +122,7 @@ def measure_tandem(args, client, pair, placement, length, gateways: dict[str, Pr
 def run_tandem_colocated(args, client, pair, target_path, draft_path, rows, deadline, log_dir) -> None:
     """The same rows with the target and the draft loaded into the gateway's process (services.gateway --colocate):
     no gRPC between them. One gateway (one 70B copy) at a time."""
-    target = settings_from_flags([*TARGET_FLAGS, "--no-prefix-cache"])
+    target = settings_from_flags([*args.target_flags, "--no-prefix-cache"])
     target |= {"model": str(target_path), "flash_attn": args.flash_attn}
     for length in args.lengths:
         base = None
@@ -131,7 +131,7 @@ def run_tandem_colocated(args, client, pair, target_path, draft_path, rows, dead
                 rows.append({"engine": "tandem", "mode": "co-located", "pair": pair, "L": length,
                              "draft_on": placement, "skipped": "deadline"})  # fmt: skip
                 continue
-            draft = settings_from_flags([*PLACEMENTS[placement][0].split(), *DRAFT_FLAGS, "--no-prefix-cache"])
+            draft = settings_from_flags([*PLACEMENTS[placement][0].split(), *args.draft_flags, "--no-prefix-cache"])
             draft |= {"drafter": "model", "model": str(draft_path), "flash_attn": args.flash_attn}
             log(f"{pair}: co-located gateway L={length}, draft on {placement} ...")
             gw = start_colocated_gateway(
@@ -153,7 +153,7 @@ def run_tandem_target_in_gateway(
     in its own process (on the same GPU or the CPU). Mode `target-in-gateway-grpc`: Propose over the gRPC stream
     instead of the draft's frame port (`--no-upstream-frames`), for an A/B of the transport."""
     transport = ["--no-upstream-frames"] if mode.endswith("-grpc") else []
-    target = settings_from_flags([*TARGET_FLAGS, "--no-prefix-cache"])
+    target = settings_from_flags([*args.target_flags, "--no-prefix-cache"])
     target |= {"model": str(target_path), "flash_attn": args.flash_attn}
     env = {f"TANDEM_TARGET_{k.upper()}": v for k, v in target.items()}
     for length in args.lengths:
@@ -165,7 +165,7 @@ def run_tandem_target_in_gateway(
                 continue
             draft = start_model_service(
                 "services.draft",
-                ["--drafter", "model", "--model", str(draft_path), *PLACEMENTS[placement][0].split(), *DRAFT_FLAGS,
+                ["--drafter", "model", "--model", str(draft_path), *PLACEMENTS[placement][0].split(), *args.draft_flags,
                  "--no-prefix-cache", "--flash-attn", args.flash_attn],
                 log_dir, timeout=600,
             )  # fmt: skip
@@ -197,7 +197,7 @@ def run_tandem(args, client, pair, target_path, draft_path, rows, deadline, log_
         log(f"{pair}: synthetic target L={length} ...")
         target = start_model_service(
             "bench.synthetic_target",
-            ["--synth-len", str(length), "--model", str(target_path), *TARGET_FLAGS, "--no-prefix-cache",
+            ["--synth-len", str(length), "--model", str(target_path), *args.target_flags, "--no-prefix-cache",
              "--flash-attn", args.flash_attn],
             log_dir, timeout=900,
         )  # fmt: skip
@@ -212,7 +212,7 @@ def run_tandem(args, client, pair, target_path, draft_path, rows, deadline, log_
                 flags = PLACEMENTS[placement][0].split()
                 draft = start_model_service(
                     "services.draft",
-                    ["--drafter", "model", "--model", str(draft_path), *flags, *DRAFT_FLAGS, "--no-prefix-cache",
+                    ["--drafter", "model", "--model", str(draft_path), *flags, *args.draft_flags, "--no-prefix-cache",
                      "--flash-attn", args.flash_attn],
                     log_dir, timeout=600,
                 )  # fmt: skip
@@ -332,8 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    for flags in (TARGET_FLAGS, DRAFT_FLAGS):  # every tandem process of this run takes them
-        flags += ["--device-argmax", args.device_argmax]
+    # Every tandem process of this run takes them (the module's lists stay as they are: plain_ab imports them).
+    args.target_flags = [*TARGET_FLAGS, "--device-argmax", args.device_argmax]
+    args.draft_flags = [*DRAFT_FLAGS, "--device-argmax", args.device_argmax]
     args.modes = args.modes.split(",")
     args.placements = args.placements.split(",")
     args.peer_placements = args.peer_placements.split(",") if args.peer_placements else args.placements

@@ -114,13 +114,13 @@ class LoadGovernor:
     def allows_drafting(self, running: int, own: int | None = None) -> bool:
         """Whether a request may draft now, with `running` generations at the target, `own` of them this gateway's
         (default: all)."""
-        self._roll(running, running if own is None else own)
+        self._roll(running, own)
         return self._allow or load_level(running) is None
 
     def emitted(self, tokens: int, drafted: int, running: int, own: int | None = None) -> None:
         """A generation emitted `tokens` tokens, and had `drafted` draft tokens verified since it last emitted, with
         `running` generations at the target, `own` of them this gateway's (default: all)."""
-        self._roll(running, running if own is None else own)
+        self._roll(running, own)
         self._tokens += tokens
         self._drafted += drafted
 
@@ -154,10 +154,11 @@ class LoadGovernor:
             return True
         return None
 
-    def _roll(self, running: int, own: int) -> None:
+    def _roll(self, running: int, own: int | None) -> None:
         """Ends the epoch once it is long enough, recording it at the level of its mean load, and begins the next.
         Long enough: EPOCH_STEPS tokens per generation of this gateway's (the tokens it counts are its own; with
-        replicas sharing the target, `running` also holds theirs)."""
+        replicas sharing the target, `running` also holds theirs; None: all of them)."""
+        own = running if own is None else own
         now = self.clock()
         if self._start is None:
             self._begin(running, now, own)
@@ -180,9 +181,9 @@ class LoadGovernor:
             self._record(level, drafted, self._tokens / elapsed, self._start, now)
         self._begin(running, now, own)
 
-    def _begin(self, running: int, now: float, own: int | None = None) -> None:
+    def _begin(self, running: int, now: float, own: int) -> None:
         self._start, self._tokens, self._drafted, self._load_sum, self._load_n = now, 0, 0, running, 1
-        self._own_sum = running if own is None else own
+        self._own_sum = own
         level = self._level = load_level(running)
         if level is None:
             self._allow = True
