@@ -77,11 +77,13 @@ METRICS = {
     "drafted": "tandem_spec_decode_num_draft_tokens_total",
     "accepted": "tandem_spec_decode_num_accepted_tokens_total",
     "target_calls": 'tandem_upstream_calls_total{service="target"}',
+    "draft_calls": 'tandem_upstream_calls_total{service="draft"}',
     # The target's forward passes and engine steps for those calls: forward time a step, on against off, says
     # whether a mode's loss is in the steps (on a GPU, steps whose size keeps changing: decision 0021) or around them.
     "target_forward_s": 'tandem_upstream_compute_seconds_total{service="target"}',
     "target_steps": "tandem_upstream_target_steps_total",
 }
+ROUND_KINDS = 'tandem_round_kinds_total{kind="'
 
 
 def snapshot(url: str, pids: dict[str, int]) -> dict[str, float]:
@@ -93,6 +95,8 @@ def snapshot(url: str, pids: dict[str, int]) -> dict[str, float]:
         for key, metric in METRICS.items():
             if name == metric:
                 out[key] = float(value)
+        if name.startswith(ROUND_KINDS):  # how rounds were sent: a lone request's calls, on against off
+            out["rounds_" + name[len(ROUND_KINDS) : -2]] = float(value)
     return out
 
 
