@@ -93,6 +93,13 @@ class EngineSettings(BaseSettings):
         description="greedy sessions' argmax by llama.cpp's backend sampler, no logits copied; auto: on a GPU",
     )
 
+    # One llama_decode call a step however many draft lengths it holds (one KV buffer only): off by default, since on
+    # an H100 the target crashed with a CUDA error under load in 3 of 6 runs with it and in none of 4 without, and
+    # it showed no gain there (docs/decisions/0021).
+    pack_steps: bool = Field(
+        False, description="with one KV buffer, decode a step's sequences of unequal lengths in one call (experimental)"
+    )
+
     def resolved_device_argmax(self, on_gpu: bool) -> bool:
         return self.device_argmax == "on" or (self.device_argmax == "auto" and on_gpu)
 

@@ -244,6 +244,7 @@ class Engine:
         # CPU default: a KV slice per session, so each session's numerics are independent of the others.
         cparams.kv_unified = settings.resolved_kv_unified(on_gpu=self.backend != "CPU")
         self.kv_unified = bool(cparams.kv_unified)
+        self.pack_steps = self.kv_unified and settings.pack_steps
         cparams.no_perf = True
         self.device_argmax = settings.resolved_device_argmax(on_gpu=self.backend != "CPU")
         if self.device_argmax:  # a verify step wants k + 1 rows of one sequence; the default allows the sampler 1
@@ -431,17 +432,16 @@ class Engine:
         to ~1.2 on SmolLM2, measured; equal counts are bit-identical to decoding alone). So items are grouped by
         length, each group packed into calls of at most n_batch tokens, and an item longer than n_batch goes alone,
         in chunks. With one KV buffer for all (`kv_unified`, the GPU default) llama.cpp takes any mix of lengths in
-        one ubatch, and one call a step matters there: on one H100 a step whose token count differs from the step
-        before costs 1.2x (8B) to 1.9x (0.5B) of a step of an unchanged count, as CUDA graphs are recorded again
-        (docs/decisions/0021), and under load a speculative step of sessions with different draft lengths was as
-        many calls, each of a new size, as there were lengths.
+        one ubatch, and `pack_steps` makes a step one call: on CUDA a call whose size differs from the one before
+        re-records its graph (docs/decisions/0021). It is off by default: on an H100 under load the target crashed
+        with a CUDA error in 3 of 6 runs with it (none of 4 without), for no measured gain.
         """
         if len(items) == 1 and 0 < len(items[0].tokens) <= self.n_batch:
             return [[(0, 0, len(items[0].tokens))]]
         # In seq_id order: llama.cpp 0.3.36 computes a batch whose sequences come out of order more slowly
         # (8 one-token sequences: 100 ms shuffled against 61 ms sorted, measured on SmolLM2, 2 CPU threads).
         filled = sorted((i for i, item in enumerate(items) if item.tokens), key=lambda i: items[i].seq_id)
-        if self.kv_unified:
+        if self.pack_steps:
             return self._packed(items, filled)
         by_length: dict[int, list[int]] = {}
         for i in filled:

@@ -23,8 +23,10 @@ def engine() -> Engine:
 
 @pytest.fixture(scope="module")
 def unified_engine() -> Engine:
-    """One KV buffer for all sessions and flash attention, as on a GPU by default."""
-    settings = EngineSettings(n_threads=1, max_sessions=4, n_ctx=8192, n_batch=64, kv_unified="on", flash_attn="on")
+    """One KV buffer for all sessions and flash attention, as on a GPU by default, with steps packed into one call."""
+    settings = EngineSettings(
+        n_threads=1, max_sessions=4, n_ctx=8192, n_batch=64, kv_unified="on", flash_attn="on", pack_steps=True
+    )
     eng = Engine(settings)
     yield eng
     eng.close()
@@ -59,14 +61,21 @@ def _unequal_drafts(engine: Engine) -> list[tuple[list[int], list[DecodeItem], l
 
 
 def test_one_kv_buffer_takes_unequal_drafts_in_one_call(unified_engine: Engine) -> None:
-    """With one KV buffer (the GPU default) a step of sequences with different token counts is one llama_decode call
-    (a call per length would change the step's size call after call, which costs on CUDA), and each sequence's rows
+    """With one KV buffer and `pack_steps` a step of sequences with different token counts is one llama_decode call
+    (a call per length changes the step's size call after call, which costs on CUDA), and each sequence's rows
     equal decoding it alone, bit for bit. (With flash attention off this CPU build rounds a batch differently from
-    one sequence, packed or grouped by length alike: up to 0.71 apart, measured; that is test_batch_rows' subject.)"""
+    one sequence, packed or grouped by length alike: up to 0.71 apart, measured; that is test_batch_rows' subject.)
+    Without `pack_steps`, the default since it crashed CUDA under load (decision 0021), a step goes by length."""
     engine = unified_engine
     mixed = [DecodeItem(seq, [100] * n, 0, "all") for seq, n in enumerate([1, 9, 2, 5])]
     assert len(engine._plan(mixed)) == 1
     assert [len(call) for call in engine._plan([*mixed, DecodeItem(3, [100] * 60, 0, "all")])] == [4, 1]
+    engine.pack_steps = False
+    try:
+        by_length = [DecodeItem(seq, [100] * n, 0, "all") for seq, n in enumerate([1, 9, 1, 5])]
+        assert sorted(len(call) for call in engine._plan(by_length)) == [1, 1, 2]
+    finally:
+        engine.pack_steps = True
     for counts, items, together, alone in _unequal_drafts(engine):
         for item, rows, single in zip(items, together, alone, strict=True):
             assert rows.shape == (len(item.tokens), engine.n_vocab)

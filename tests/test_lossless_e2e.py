@@ -188,7 +188,7 @@ def fa_stack(service_tmp: Path, request: pytest.FixtureRequest) -> Iterator[tupl
     single token's with its own dot products, which round differently: the batched-verify divergences above.)
     Single-stream inline steps forced on (on a CPU model they are off by default), so that one request's steps run
     on the services' serving threads and concurrent ones on their engine threads. Twice: a KV slice per session (the
-    CPU default), and one KV buffer for all (the GPU default), where a step of unequal draft lengths is one call."""
+    CPU default), and one KV buffer for all (the GPU default)."""
     from tests.conftest import THREADS
 
     args = ["--flash-attn", "on", "--n-threads", THREADS, "--max-sessions", "8", "--n-ctx", "16384"]
@@ -230,9 +230,9 @@ def test_batched_verify_with_flash_attention_is_identical(
     # sit in the shared buffer (after other sessions' rollbacks) changes the order in which flash attention sums them
     # in f16 (measured here: logprobs 0.002 to 0.28 apart before any divergence, or one text parting at a near-tie),
     # with or without a step's unequal lengths packed into one call. That is why the CPU default is a slice per
-    # session (docs/decisions/0011); packing itself is tested bit for bit in tests/test_engine.py, from the same cells.
+    # session (docs/decisions/0011); packing (`pack_steps`) is tested bit for bit in tests/test_engine.py.
     unified = request.node.callspec.params["fa_stack"] == "on"
-    if unified:  # packed steps: rounding-sized differences only, not rows of another sequence
+    if unified:  # rounding-sized differences only, not rows of another sequence
         worst = 0.0
         for a, b in zip(plain, together, strict=True):
             assert b["choices"][0]["finish_reason"] in ("stop", "length")
