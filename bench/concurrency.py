@@ -5,9 +5,13 @@ gateway's `--max-concurrent` and the target's session slots raised to the larges
 each concurrency c, c streams start together, each answering the workload's prompts in turn (shifted per stream),
 first with speculation off (`"speculative.n_max": 0`) then on (the defaults), alternating which goes first per
 repetition, after one untimed prefill of each of the level's prompts (`warm`); aggregate tok/s = completion tokens /
-wall time of the c streams. Each sample also records the CPU seconds each process spent and the gateway's drafted and
-accepted tokens and target calls (concurrency.json, `samples`). The goal (issue 42): on / off >= 1 at every
-concurrency. Writes concurrency.json, concurrency.md and concurrency.png under --out.
+wall time of the c streams. With `--window-s W` each stream instead goes on through its prompts, round and round,
+until W seconds have passed, and a request counts with the share of its tokens that falls inside the window (its
+tokens taken as evenly spread over its time): every stream is busy for the whole window, so the tail where the
+last streams finish alone, and how long that tail happens to be, no longer weighs on a cell. Each sample also
+records the CPU seconds each process spent and the gateway's drafted and accepted tokens and target calls
+(concurrency.json, `samples`). The goal (issue 42): on / off >= 1 at every concurrency. Writes concurrency.json,
+concurrency.md and concurrency.png under --out.
 """
 
 from __future__ import annotations
@@ -64,12 +68,51 @@ def warm(url: str, workload: Workload, streams: int, per_stream: int) -> None:
     _stream(url, workload, distinct, 1, MODES["off"])
 
 
-def measure(url: str, workload: Workload, streams: int, per_stream: int, max_tokens: int, mode: dict) -> float:
+def measure(
+    url: str, workload: Workload, streams: int, per_stream: int, max_tokens: int, mode: dict, window_s: float = 0.0
+) -> float:
+    """Aggregate tok/s of `streams` concurrent streams: over all their requests, or over a window of `window_s`."""
     plan = plan_prompts(workload, streams, per_stream)
+    if window_s > 0:
+        return _windowed(url, workload, plan, max_tokens, mode, window_s)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=streams) as pool:
         tokens = sum(pool.map(lambda p: _stream(url, workload, p, max_tokens, mode), plan))
     return tokens / (time.perf_counter() - t0)
+
+
+def _windowed(
+    url: str, workload: Workload, plan: list[list[str]], max_tokens: int, mode: dict, window_s: float
+) -> float:
+    """Each stream sends its prompts in turn, again and again, until `window_s` has passed since the start; a request
+    counts with the share of its tokens inside the window (`tokens_in_window`)."""
+    t0 = time.perf_counter()
+    end = t0 + window_s
+
+    def stream(prompts: list[str]) -> list[tuple[float, float, int]]:
+        done = []
+        i = 0
+        while time.perf_counter() < end:
+            start = time.perf_counter()
+            tokens = _stream(url, workload, [prompts[i % len(prompts)]], max_tokens, mode)
+            done.append((start, time.perf_counter(), tokens))
+            i += 1
+        return done
+
+    with ThreadPoolExecutor(max_workers=len(plan)) as pool:
+        requests = [r for done in pool.map(stream, plan) for r in done]
+    return tokens_in_window(requests, t0, end) / window_s
+
+
+def tokens_in_window(requests: list[tuple[float, float, int]], start: float, end: float) -> float:
+    """Tokens of (start, end, tokens) requests that fall inside [start, end], each request's tokens taken as spread
+    evenly over its own time."""
+    total = 0.0
+    for first, last, tokens in requests:
+        inside = min(last, end) - max(first, start)
+        if inside > 0:
+            total += tokens * inside / (last - first)
+    return total
 
 
 # What each sample records besides tok/s (from the gateway's /metrics): where a mode's time went.
@@ -136,7 +179,9 @@ def main(args: argparse.Namespace) -> int:
                     order = ("off", "on") if rep % 2 == 0 else ("on", "off")
                     for name in order:
                         before = snapshot(gateway.address, pids)
-                        tok_s = measure(gateway.address, workload, c, args.per_stream, args.max_tokens, MODES[name])
+                        tok_s = measure(
+                            gateway.address, workload, c, args.per_stream, args.max_tokens, MODES[name], args.window_s
+                        )
                         after = snapshot(gateway.address, pids)
                         spent = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()}
                         samples[name].append(tok_s)
@@ -144,6 +189,9 @@ def main(args: argparse.Namespace) -> int:
                         print(f"{workload.name} c={c} {name}: {tok_s:.1f} tok/s {spent}", file=sys.stderr, flush=True)
                 off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
                 row = {"workload": workload.name, "concurrency": c, "off_tok_s": round(off, 1)}
+                # Each repetition's own on / off (measured back to back): their spread is the cell's noise.
+                paired = [a / b for a, b in zip(samples["on"], samples["off"], strict=True)]
+                row |= {"ratio_lo": round(min(paired), 3), "ratio_hi": round(max(paired), 3)}
                 rows.append({**row, "on_tok_s": round(on, 1), "ratio": round(on / off, 3), "samples": details})
     finally:
         stack.stop()
@@ -168,6 +216,12 @@ def _step_ms(row: dict) -> str:
     return " / ".join(rates)
 
 
+def _spread(row: dict) -> str:
+    """', lo-hi' of the cell's per-repetition ratios (none for one repetition or rows of an older run)."""
+    lo, hi = row.get("ratio_lo"), row.get("ratio_hi")
+    return f", {lo:.2f}-{hi:.2f}" if lo is not None and hi is not None and hi > lo else ""
+
+
 def write(out: Path, meta: dict, rows: list[dict]) -> None:
     (out / "concurrency.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     levels = sorted({r["concurrency"] for r in rows})
@@ -185,9 +239,11 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
         parts = []
         for c in levels:
             r = cell.get((name, c))
-            parts.append(f"{r['on_tok_s']} / {r['off_tok_s']} (**{r['ratio']:.2f}**)" if r else "-")
+            parts.append(f"{r['on_tok_s']} / {r['off_tok_s']} (**{r['ratio']:.2f}**{_spread(r)})" if r else "-")
         lines.append(f"| {name} | " + " | ".join(parts) + " |")
-    lines += ["", "The target's forward time per engine step, ms, on / off (all samples of a cell):", ""]
+    lines += ["", "After the ratio: the lowest and highest on / off of one repetition (its two samples measured back"]
+    lines += ["to back); a range across 1 says the cell's noise is larger than its difference.", ""]
+    lines += ["The target's forward time per engine step, ms, on / off (all samples of a cell):", ""]
     lines += ["| workload | " + " | ".join(str(c) for c in levels) + " |", "|---|" + "---|" * len(levels)]
     for name in names:
         parts = [_step_ms(cell[(name, c)]) if (name, c) in cell else "-" for c in levels]

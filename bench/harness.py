@@ -589,6 +589,13 @@ def main(argv: list[str] | None = None) -> int:
         " stack; --workloads, --reps, --max-tokens, --model, --target-args apply; see bench/concurrency.py)",
     )
     parser.add_argument("--per-stream", type=int, default=2, help="--concurrency: requests each stream makes in turn")
+    parser.add_argument(
+        "--window-s",
+        type=float,
+        default=0.0,
+        help="--concurrency: measure each sample over a window of this many seconds, every stream busy throughout"
+        " (0: each stream's --per-stream requests, start to finish)",
+    )
     parser.add_argument("--gateway-args", default="", help="--concurrency: extra gateway flags")
     args = parser.parse_args(argv)
     if args.concurrency:

@@ -96,8 +96,8 @@ concurrency)
   cat "$W"/model.part-* > "$W/model.gguf"
   echo "model sha256 $(sha256sum "$W/model.gguf" | cut -c1-16) (expected $(cut -c1-16 .gpu/model.sha256 2>/dev/null || echo ?))"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  # Four requests a stream and cell (sessions 6-8 had two: a cell lasted about a second, and two runs of one command
-  # differed by 0.1-0.2 in many cells, up to 0.6 in one); about 230 s a run.
+  # Each sample a 3 s window with every stream busy throughout (session 9: two speculation-off samples of one cell,
+  # start to finish, differed by up to 43%); about 250 s a run.
   # TARGET_EXTRA adds target flags (e.g. "--device-argmax off"); LABEL names the output folder. BASELINE=1 runs an
   # earlier commit's code instead (unpacked by `build` from a carried .gpu/baseline-*.tar.gz, made with `git archive C
   # tandem services bench pyproject.toml | gzip`), with this tree's generated tandem/v1: a baseline in the same lease.
@@ -107,7 +107,7 @@ concurrency)
   fi
   (cd "$SRC" && PYTHONPATH=$LLAMA_SITE:/tmp/site:$SRC python3 -m bench --model "$W/model.gguf" \
     --target-args "--n-gpu-layers -1 --device cuda:0 --n-threads 4 ${TARGET_EXTRA:-}" \
-    ${BENCH_ARGS:---concurrency 1,2,4,8,16 --workloads edit,chat,json --reps 2 --per-stream 4} \
+    ${BENCH_ARGS:---concurrency 1,2,4,8,16 --workloads edit,chat,json --reps 2 --per-stream 4 --window-s 3} \
     --out "$OUT/concurrency${LABEL:+-$LABEL}" 2>&1 | tee "$OUT/concurrency${LABEL:+-$LABEL}.txt")
   ;;
 load-check)

@@ -1,0 +1,46 @@
+"""The concurrency benchmark's arithmetic: tokens inside a measuring window, and the spread it reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.concurrency import tokens_in_window, write
+
+
+def test_a_request_counts_with_the_share_of_its_time_inside_the_window() -> None:
+    requests = [
+        (0.0, 2.0, 100),  # wholly inside
+        (1.0, 5.0, 40),  # half inside (1..3 of 1..5)
+        (-1.0, 1.0, 10),  # started before the window: half inside
+        (3.0, 4.0, 99),  # after the window
+        (-2.0, -1.0, 99),  # before it
+    ]
+    assert tokens_in_window(requests, 0.0, 3.0) == pytest.approx(100 + 20 + 5)
+
+
+def test_a_window_inside_one_long_request_takes_its_rate() -> None:
+    assert tokens_in_window([(0.0, 10.0, 500)], 2.0, 4.0) / 2.0 == pytest.approx(50.0)
+
+
+def test_the_table_gives_each_cell_the_range_of_its_repetitions(tmp_path) -> None:
+    samples = [{"mode": "on", "tok_s": 10.0}, {"mode": "off", "tok_s": 8.0}]
+    rows = [
+        {
+            "workload": "chat",
+            "concurrency": 1,
+            "off_tok_s": 10.0,
+            "on_tok_s": 11.0,
+            "ratio": 1.1,
+            "samples": samples,
+            "ratio_lo": 0.92,
+            "ratio_hi": 1.25,
+        },
+        {"workload": "chat", "concurrency": 2, "off_tok_s": 10.0, "on_tok_s": 9.0, "ratio": 0.9, "samples": samples},
+    ]
+    write(tmp_path, {"date": "today", "command": "python -m bench", "seconds": 1.0}, rows)
+    table = (tmp_path / "concurrency.md").read_text()
+    assert "(**1.10**, 0.92-1.25)" in table
+    assert "(**0.90**)" in table  # no range recorded (one repetition, or an older run's rows)
+    assert json.loads((tmp_path / "concurrency.json").read_text())["rows"][0]["ratio_lo"] == 0.92
