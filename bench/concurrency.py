@@ -154,6 +154,7 @@ def main(args: argparse.Namespace) -> int:
     stack = Stack()
     rows = []
     started = time.time()
+    failure = None  # a sample that failed (a service died): the cells before it are still written
     try:
         print(f"starting the stack (slots and --max-concurrent {top}) ...", file=sys.stderr, flush=True)
         model = ["--model", args.model] if args.model else []
@@ -193,15 +194,19 @@ def main(args: argparse.Namespace) -> int:
                 paired = [a / b for a, b in zip(samples["on"], samples["off"], strict=True)]
                 row |= {"ratio_lo": round(min(paired), 3), "ratio_hi": round(max(paired), 3)}
                 rows.append({**row, "on_tok_s": round(on, 1), "ratio": round(on / off, 3), "samples": details})
+    except httpx.HTTPError as exc:
+        failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        print(f"stopped: {failure} (the services' logs are in {out / 'logs'})", file=sys.stderr, flush=True)
     finally:
         stack.stop()
     meta = {
         "command": "python -m bench " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "seconds": round(time.time() - started, 1),
+        **({"failure": failure} if failure else {}),
     }
     write(out, meta, rows)
-    return 0
+    return 1 if failure else 0
 
 
 def _step_ms(row: dict) -> str:
@@ -232,6 +237,11 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
         "",
         f"{meta['date']} · `{meta['command']}` · {meta['seconds']} s",
         "",
+        *(
+            [f"**Stopped early** by a failed sample ({meta['failure']}): the cells below are those before it.", ""]
+            if meta.get("failure")
+            else []
+        ),
         "| workload | " + " | ".join(f"{c} stream{'s' if c > 1 else ''}" for c in levels) + " |",
         "|---|" + "---|" * len(levels),
     ]

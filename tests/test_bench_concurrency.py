@@ -44,3 +44,15 @@ def test_the_table_gives_each_cell_the_range_of_its_repetitions(tmp_path) -> Non
     assert "(**1.10**, 0.92-1.25)" in table
     assert "(**0.90**)" in table  # no range recorded (one repetition, or an older run's rows)
     assert json.loads((tmp_path / "concurrency.json").read_text())["rows"][0]["ratio_lo"] == 0.92
+
+
+def test_a_run_stopped_by_a_failed_sample_says_so_above_its_cells(tmp_path) -> None:
+    samples = [{"mode": "on", "tok_s": 10.0}, {"mode": "off", "tok_s": 8.0}]
+    rows = [
+        {"workload": "edit", "concurrency": 1, "off_tok_s": 8.0, "on_tok_s": 10.0, "ratio": 1.25, "samples": samples}
+    ]
+    meta = {"date": "today", "command": "python -m bench", "seconds": 1.0, "failure": "HTTPStatusError: 503"}
+    write(tmp_path, meta, rows)
+    table = (tmp_path / "concurrency.md").read_text()
+    assert "**Stopped early** by a failed sample (HTTPStatusError: 503)" in table
+    assert "(**1.25**)" in table
