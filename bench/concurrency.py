@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import statistics
 import sys
@@ -35,23 +36,25 @@ from tandem.launch import start_gateway, start_model_service
 MODES = {"off": {"speculative.n_max": 0}, "on": {}}
 
 
+def _request(client: httpx.Client, url: str, workload: Workload, prompt: str, max_tokens: int, mode: dict) -> int:
+    """One chat completion; the completion tokens it received."""
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": workload.temperature,
+        **({"seed": workload.seed} if workload.seed is not None else {}),
+        **dict(workload.extra),
+        **mode,
+    }
+    reply = client.post(f"{url}/v1/chat/completions", json=body)
+    reply.raise_for_status()
+    return reply.json()["usage"]["completion_tokens"]
+
+
 def _stream(url: str, workload: Workload, prompts: list[str], max_tokens: int, mode: dict) -> int:
     """One stream: its prompts one after another; the completion tokens it received."""
-    tokens = 0
     with httpx.Client(timeout=900) as client:
-        for prompt in prompts:
-            body = {
-                "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": max_tokens,
-                "temperature": workload.temperature,
-                **({"seed": workload.seed} if workload.seed is not None else {}),
-                **dict(workload.extra),
-                **mode,
-            }
-            reply = client.post(f"{url}/v1/chat/completions", json=body)
-            reply.raise_for_status()
-            tokens += reply.json()["usage"]["completion_tokens"]
-    return tokens
+        return sum(_request(client, url, workload, prompt, max_tokens, mode) for prompt in prompts)
 
 
 def plan_prompts(workload: Workload, streams: int, per_stream: int) -> list[list[str]]:
@@ -85,23 +88,26 @@ def _windowed(
     url: str, workload: Workload, plan: list[list[str]], max_tokens: int, mode: dict, window_s: float
 ) -> float:
     """Each stream sends its prompts in turn, again and again, until `window_s` has passed since the start; a request
-    counts with the share of its tokens inside the window (`tokens_in_window`)."""
+    counts with the share of its tokens inside the window (`tokens_in_window`). (The sample's counters, from the
+    gateway's metrics, also hold the requests' parts after the window: read them as ratios, not per token.)"""
     t0 = time.perf_counter()
     end = t0 + window_s
 
     def stream(prompts: list[str]) -> list[tuple[float, float, int]]:
         done = []
-        i = 0
-        while time.perf_counter() < end:
-            start = time.perf_counter()
-            tokens = _stream(url, workload, [prompts[i % len(prompts)]], max_tokens, mode)
-            done.append((start, time.perf_counter(), tokens))
-            i += 1
+        with httpx.Client(timeout=900) as client:  # one connection a stream, as the whole-run mode has
+            while time.perf_counter() < end:
+                start = time.perf_counter()
+                tokens = _request(client, url, workload, prompts[len(done) % len(prompts)], max_tokens, mode)
+                done.append((start, time.perf_counter(), tokens))
         return done
 
     with ThreadPoolExecutor(max_workers=len(plan)) as pool:
         requests = [r for done in pool.map(stream, plan) for r in done]
-    return tokens_in_window(requests, t0, end) / window_s
+    tokens = tokens_in_window(requests, t0, end)
+    if tokens <= 0:
+        raise RuntimeError(f"no token arrived inside a {window_s} s window: give --window-s more time")
+    return tokens / window_s
 
 
 def tokens_in_window(requests: list[tuple[float, float, int]], start: float, end: float) -> float:
@@ -155,6 +161,7 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     started = time.time()
     failure = None  # a sample that failed (a service died): the cells before it are still written
+    cell: dict = {}  # the cell being measured, for the record of a failure
     try:
         print(f"starting the stack (slots and --max-concurrent {top}) ...", file=sys.stderr, flush=True)
         model = ["--model", args.model] if args.model else []
@@ -176,6 +183,7 @@ def main(args: argparse.Namespace) -> int:
                 samples: dict[str, list[float]] = {"off": [], "on": []}
                 warm(gateway.address, workload, c, args.per_stream)
                 details = []
+                cell = {"workload": workload.name, "concurrency": c, "samples": details}
                 for rep in range(args.reps):
                     order = ("off", "on") if rep % 2 == 0 else ("on", "off")
                     for name in order:
@@ -191,10 +199,13 @@ def main(args: argparse.Namespace) -> int:
                 off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
                 row = {"workload": workload.name, "concurrency": c, "off_tok_s": round(off, 1)}
                 # Each repetition's own on / off (measured back to back): their spread is the cell's noise.
-                paired = [a / b for a, b in zip(samples["on"], samples["off"], strict=True)]
-                row |= {"ratio_lo": round(min(paired), 3), "ratio_hi": round(max(paired), 3)}
-                rows.append({**row, "on_tok_s": round(on, 1), "ratio": round(on / off, 3), "samples": details})
-    except httpx.HTTPError as exc:
+                paired = [a / b for a, b in zip(samples["on"], samples["off"], strict=True) if b > 0]
+                if paired:
+                    row |= {"ratio_lo": round(min(paired), 3), "ratio_hi": round(max(paired), 3)}
+                ratio = round(on / off, 3) if off > 0 else math.inf
+                rows.append({**row, "on_tok_s": round(on, 1), "ratio": ratio, "samples": details})
+                cell = {}
+    except Exception as exc:  # a service died, or a sample measured nothing: keep what was measured
         failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         print(f"stopped: {failure} (the services' logs are in {out / 'logs'})", file=sys.stderr, flush=True)
     finally:
@@ -203,7 +214,7 @@ def main(args: argparse.Namespace) -> int:
         "command": "python -m bench " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "seconds": round(time.time() - started, 1),
-        **({"failure": failure} if failure else {}),
+        **({"failure": failure, "failed_cell": cell} if failure else {}),
     }
     write(out, meta, rows)
     return 1 if failure else 0
@@ -224,7 +235,9 @@ def _step_ms(row: dict) -> str:
 def _spread(row: dict) -> str:
     """', lo-hi' of the cell's per-repetition ratios (none for one repetition or rows of an older run)."""
     lo, hi = row.get("ratio_lo"), row.get("ratio_hi")
-    return f", {lo:.2f}-{hi:.2f}" if lo is not None and hi is not None and hi > lo else ""
+    if lo is None or hi is None or f"{lo:.2f}" == f"{hi:.2f}":
+        return ""
+    return f", {lo:.2f}-{hi:.2f}"
 
 
 def write(out: Path, meta: dict, rows: list[dict]) -> None:
@@ -251,8 +264,10 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
             r = cell.get((name, c))
             parts.append(f"{r['on_tok_s']} / {r['off_tok_s']} (**{r['ratio']:.2f}**{_spread(r)})" if r else "-")
         lines.append(f"| {name} | " + " | ".join(parts) + " |")
-    lines += ["", "After the ratio: the lowest and highest on / off of one repetition (its two samples measured back"]
-    lines += ["to back); a range across 1 says the cell's noise is larger than its difference.", ""]
+    if any(_spread(r) for r in rows):
+        lines += ["", "After the ratio: the lowest and highest on / off of one repetition (its two samples measured"]
+        lines += ["back to back); a range across 1 says the cell's noise is larger than its difference."]
+    lines += [""]
     lines += ["The target's forward time per engine step, ms, on / off (all samples of a cell):", ""]
     lines += ["| workload | " + " | ".join(str(c) for c in levels) + " |", "|---|" + "---|" * len(levels)]
     for name in names:

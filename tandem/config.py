@@ -94,8 +94,8 @@ class EngineSettings(BaseSettings):
     )
 
     # One llama_decode call a step however many draft lengths it holds (one KV buffer only): off by default, since on
-    # an H100 the target crashed with a CUDA error under load in 3 of 6 runs with it and in none of 4 without, and
-    # it showed no gain there (docs/decisions/0021).
+    # an H100 the target crashed with a CUDA error under load in 3 of 6 runs with it (none in the runs without it),
+    # and it showed no gain there (docs/decisions/0022).
     pack_steps: bool = Field(
         False, description="with one KV buffer, decode a step's sequences of unequal lengths in one call (experimental)"
     )

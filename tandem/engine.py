@@ -434,19 +434,23 @@ class Engine:
         in chunks. With one KV buffer for all (`kv_unified`, the GPU default) llama.cpp takes any mix of lengths in
         one ubatch, and `pack_steps` makes a step one call: on CUDA a call whose size differs from the one before
         re-records its graph (docs/decisions/0021). It is off by default: on an H100 under load the target crashed
-        with a CUDA error in 3 of 6 runs with it (none of 4 without), for no measured gain.
+        with a CUDA error in 3 of 6 runs with it (none in the runs without it), for no measured gain (0022).
         """
         if len(items) == 1 and 0 < len(items[0].tokens) <= self.n_batch:
             return [[(0, 0, len(items[0].tokens))]]
+
         # In seq_id order: llama.cpp 0.3.36 computes a batch whose sequences come out of order more slowly
         # (8 one-token sequences: 100 ms shuffled against 61 ms sorted, measured on SmolLM2, 2 CPU threads).
-        filled = sorted((i for i, item in enumerate(items) if item.tokens), key=lambda i: items[i].seq_id)
+        def by_seq(members: list[int]) -> list[int]:
+            return sorted(members, key=lambda i: items[i].seq_id)
+
         if self.pack_steps:
-            return self._packed(items, filled)
-        by_length: dict[int, list[int]] = {}
-        for i in filled:
-            by_length.setdefault(len(items[i].tokens), []).append(i)
-        return [call for members in by_length.values() for call in self._packed(items, members)]
+            return self._packed(items, by_seq([i for i, item in enumerate(items) if item.tokens]))
+        by_length: dict[int, list[int]] = {}  # groups in the order their first item comes
+        for i, item in enumerate(items):
+            if item.tokens:
+                by_length.setdefault(len(item.tokens), []).append(i)
+        return [call for members in by_length.values() for call in self._packed(items, by_seq(members))]
 
     def _packed(self, items: Sequence[DecodeItem], order: list[int]) -> list[list[tuple[int, int, int]]]:
         """Items of any lengths (in `order`, distinct sequences) packed into calls of at most n_batch tokens; an item

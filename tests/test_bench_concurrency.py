@@ -38,11 +38,22 @@ def test_the_table_gives_each_cell_the_range_of_its_repetitions(tmp_path) -> Non
             "ratio_hi": 1.25,
         },
         {"workload": "chat", "concurrency": 2, "off_tok_s": 10.0, "on_tok_s": 9.0, "ratio": 0.9, "samples": samples},
+        {
+            "workload": "chat",
+            "concurrency": 4,
+            "off_tok_s": 10.0,
+            "on_tok_s": 11.6,
+            "ratio": 1.162,
+            "samples": samples,
+            "ratio_lo": 1.161,
+            "ratio_hi": 1.164,
+        },
     ]
     write(tmp_path, {"date": "today", "command": "python -m bench", "seconds": 1.0}, rows)
     table = (tmp_path / "concurrency.md").read_text()
     assert "(**1.10**, 0.92-1.25)" in table
     assert "(**0.90**)" in table  # no range recorded (one repetition, or an older run's rows)
+    assert "(**1.16**)" in table  # a range that rounds to one value is not shown
     assert json.loads((tmp_path / "concurrency.json").read_text())["rows"][0]["ratio_lo"] == 0.92
 
 

@@ -82,6 +82,21 @@ def test_one_kv_buffer_takes_unequal_drafts_in_one_call(unified_engine: Engine) 
             np.testing.assert_array_equal(rows, single, err_msg=f"counts {counts}, seq {item.seq_id}")
 
 
+def test_steps_go_by_length_unless_packing_is_asked_for(engine: Engine) -> None:
+    """Packing is off by default (it crashed CUDA under load, decision 0022), and asking for it without one KV buffer
+    packs nothing: with a slice per sequence unequal counts in one call give wrong logits. The groups keep the order
+    of their first item, each in seq_id order, as before packing existed."""
+    assert EngineSettings().pack_steps is False
+    assert engine.pack_steps is False
+    sliced = Engine(EngineSettings(n_threads=1, max_sessions=2, n_ctx=512, kv_unified="off", pack_steps=True))
+    try:
+        assert sliced.pack_steps is False
+    finally:
+        sliced.close()
+    items = [DecodeItem(3, [100], 0, "all"), DecodeItem(0, [100] * 5, 0, "all"), DecodeItem(1, [100], 0, "all")]
+    assert engine._plan(items) == [[(2, 0, 1), (0, 0, 1)], [(1, 0, 5)]]
+
+
 def test_unequal_drafts_in_one_batch_match_decoding_alone(engine: Engine) -> None:
     """Sequences with different token counts in one decode: llama.cpp 0.3.36 gets these wrong when they share a
     llama_decode call with a KV slice per sequence, so the engine splits them; this is the regression test."""
