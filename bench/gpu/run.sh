@@ -100,10 +100,11 @@ concurrency)
   # start to finish, differed by up to 43%); about 250 s a run.
   # TARGET_EXTRA adds target flags (e.g. "--device-argmax off"); LABEL names the output folder. BASELINE=1 runs an
   # earlier commit's code instead (unpacked by `build` from a carried .gpu/baseline-*.tar.gz, made with `git archive C
-  # tandem services bench pyproject.toml | gzip`), with this tree's generated tandem/v1: a baseline in the same lease.
+  # tandem services bench pyproject.toml | gzip`), with this tree's generated tandem/v1 and this tree's bench (the
+  # same measurement, e.g. --window-s, of the earlier code): a baseline in the same lease.
   SRC=$PWD
   if [ -n "${BASELINE:-}" ]; then
-    SRC=/tmp/baseline && cp -r tandem/v1 "$SRC/tandem/"
+    SRC=/tmp/baseline && cp -r tandem/v1 "$SRC/tandem/" && rm -rf "$SRC/bench" && cp -r bench "$SRC/"
   fi
   (cd "$SRC" && PYTHONPATH=$LLAMA_SITE:/tmp/site:$SRC python3 -m bench --model "$W/model.gguf" \
     --target-args "--n-gpu-layers -1 --device cuda:0 --n-threads 4 ${TARGET_EXTRA:-}" \
