@@ -131,6 +131,12 @@ METRICS = {
     # whether a mode's loss is in the steps (on a GPU, steps whose size keeps changing: decision 0021) or around them.
     "target_forward_s": 'tandem_upstream_compute_seconds_total{service="target"}',
     "target_steps": "tandem_upstream_target_steps_total",
+    # The target engine's llama_decode calls, and those whose batch layout changed from the call before (on CUDA they
+    # run without a replayed graph): their share of the forward time is what changing step sizes cost.
+    "decode_calls": 'tandem_engine_decode_calls{service="target"}',
+    "decode_s": 'tandem_engine_decode_seconds{service="target"}',
+    "reshaped_calls": 'tandem_engine_reshaped_calls{service="target"}',
+    "reshaped_s": 'tandem_engine_reshaped_seconds{service="target"}',
 }
 ROUND_KINDS = 'tandem_round_kinds_total{kind="'
 
@@ -232,6 +238,16 @@ def _step_ms(row: dict) -> str:
     return " / ".join(rates)
 
 
+def _reshaped(row: dict) -> str:
+    """'on / off' share of the target's forward time in calls whose layout changed, over a cell's samples."""
+    shares = []
+    for mode in ("on", "off"):
+        samples = [s for s in row["samples"] if s["mode"] == mode]
+        total = sum(s.get("decode_s", 0.0) for s in samples)
+        shares.append(f"{100 * sum(s.get('reshaped_s', 0.0) for s in samples) / total:.0f}%" if total > 0 else "-")
+    return " / ".join(shares)
+
+
 def _spread(row: dict) -> str:
     """', lo-hi' of the cell's per-repetition ratios (none for one repetition or rows of an older run)."""
     lo, hi = row.get("ratio_lo"), row.get("ratio_hi")
@@ -272,6 +288,14 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
     lines += ["| workload | " + " | ".join(str(c) for c in levels) + " |", "|---|" + "---|" * len(levels)]
     for name in names:
         parts = [_step_ms(cell[(name, c)]) if (name, c) in cell else "-" for c in levels]
+        lines.append(f"| {name} | " + " | ".join(parts) + " |")
+    lines += [
+        "",
+        "Share of the target's forward time in calls whose batch layout changed from the call before, on / off:",
+    ]
+    lines += ["", "| workload | " + " | ".join(str(c) for c in levels) + " |", "|---|" + "---|" * len(levels)]
+    for name in names:
+        parts = [_reshaped(cell[(name, c)]) if (name, c) in cell else "-" for c in levels]
         lines.append(f"| {name} | " + " | ".join(parts) + " |")
     (out / "concurrency.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

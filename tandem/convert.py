@@ -91,8 +91,8 @@ def dist_from_pb(msg: pb.SparseDistribution, n_vocab: int) -> SparseDist:
     return SparseDist.exact(ids, probs / total)
 
 
-def serving_stats(msg: pb.InfoResponse, store, scheduler) -> pb.InfoResponse:
-    """Fill an Info answer's live figures: sessions, KV use, batching and prefix-cache counters."""
+def serving_stats(msg: pb.InfoResponse, store, scheduler, engine: Engine | None = None) -> pb.InfoResponse:
+    """Fill an Info answer's live figures: sessions, KV use, batching and prefix-cache counters, the engine's calls."""
     load = msg.load
     load.active_sessions = len(store)
     load.kv_tokens = store.kv_tokens
@@ -103,6 +103,11 @@ def serving_stats(msg: pb.InfoResponse, store, scheduler) -> pb.InfoResponse:
         load.batched_calls = scheduler.batched_groups
         load.max_step_calls = scheduler.max_groups_seen
         load.inline_steps = scheduler.inline_steps
+    if engine is not None:
+        load.decode_calls = engine.decode_calls
+        load.decode_ns = engine.forward_ns
+        load.reshaped_calls = engine.reshaped_calls
+        load.reshaped_ns = engine.reshaped_ns
     return msg
 
 

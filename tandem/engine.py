@@ -286,6 +286,9 @@ class Engine:
         self.fingerprint = self._fingerprint()
         self.version = f"tandem {__version__}; llama-cpp-python {llama_cpp.__version__}"
         self.forward_ns = 0  # cumulative time inside llama_decode, for per-call timing (callers read differences)
+        # llama_decode calls; those whose batch layout changed from the call before, and their time (Load.reshaped_*)
+        self.decode_calls = self.reshaped_calls = self.reshaped_ns = 0
+        self._last_layout: tuple = ()
         if self.device_argmax:
             self._probe_device_argmax()
         log.info(
@@ -431,10 +434,9 @@ class Engine:
         splits a batch into equal per-sequence ubatches, and when the counts differ the logits come out wrong (by up
         to ~1.2 on SmolLM2, measured; equal counts are bit-identical to decoding alone). So items are grouped by
         length, each group packed into calls of at most n_batch tokens, and an item longer than n_batch goes alone,
-        in chunks. With one KV buffer for all (`kv_unified`, the GPU default) llama.cpp takes any mix of lengths in
-        one ubatch, and `pack_steps` makes a step one call: on CUDA a call whose size differs from the one before
-        re-records its graph (docs/decisions/0021). It is off by default: on an H100 under load the target crashed
-        with a CUDA error in 3 of 6 runs with it (none in the runs without it), for no measured gain (0022).
+        in chunks. With one KV buffer (`kv_unified`, the GPU default) llama.cpp takes any mix of lengths in one
+        ubatch, and `pack_steps` makes a step one call (decision 0021); off by default: it crashed CUDA under load
+        for no measured gain (0022).
         """
         if len(items) == 1 and 0 < len(items[0].tokens) <= self.n_batch:
             return [[(0, 0, len(items[0].tokens))]]
@@ -478,6 +480,7 @@ class Engine:
         """One llama_decode over `part`; appends the wanted logits rows (copies, or views if not `copy`) to `out`."""
         r = 0
         wanted: list[tuple[int, int]] = []
+        layout = tuple((items[i].seq_id, count, items[i].logits) for i, _, count in part)
         for i, off, count in part:
             item = items[i]
             for j in range(off, off + count):
@@ -494,7 +497,13 @@ class Engine:
         rc = llama_cpp.llama_decode(self._ctx, self._batch)
         # llama_decode may return before the backend finishes: wait here so forward time is all the compute.
         llama_cpp.llama_synchronize(self._ctx)
-        self.forward_ns += time.perf_counter_ns() - t0
+        spent = time.perf_counter_ns() - t0
+        self.forward_ns += spent
+        self.decode_calls += 1
+        if layout != self._last_layout:  # on CUDA such a call runs without a replayed graph (decision 0022)
+            self.reshaped_calls += 1
+            self.reshaped_ns += spent
+            self._last_layout = layout
         if rc == 1:
             raise ContextOverflow("no free KV cells for this batch: too many tokens in flight, retry later")
         if rc != 0:

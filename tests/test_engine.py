@@ -97,6 +97,23 @@ def test_steps_go_by_length_unless_packing_is_asked_for(engine: Engine) -> None:
     assert engine._plan(items) == [[(2, 0, 1), (0, 0, 1)], [(1, 0, 5)]]
 
 
+def test_the_engine_counts_calls_whose_batch_layout_changed(engine: Engine) -> None:
+    """Load.reshaped_*: a llama_decode call whose layout (sequences, token counts, rows wanted) differs from the call
+    before counts as reshaped, with its forward time; on CUDA such a call runs without a replayed graph."""
+    prompt = engine.tokenize("Count the calls, please.")
+    engine.clear(0)
+    engine.decode([DecodeItem(0, prompt, 0, "last")])
+    calls, reshaped, reshaped_ns = engine.decode_calls, engine.reshaped_calls, engine.reshaped_ns
+    position = len(prompt)
+    for tokens in ([100], [101], [102, 103], [104], [105]):  # changed, same, changed, changed, same
+        engine.decode([DecodeItem(0, tokens, position, "all")])
+        position += len(tokens)
+    assert engine.decode_calls - calls == 5
+    assert engine.reshaped_calls - reshaped == 3
+    assert 0 < engine.reshaped_ns - reshaped_ns <= engine.forward_ns
+    engine.clear(0)
+
+
 def test_unequal_drafts_in_one_batch_match_decoding_alone(engine: Engine) -> None:
     """Sequences with different token counts in one decode: llama.cpp 0.3.36 gets these wrong when they share a
     llama_decode call with a KV slice per sequence, so the engine splits them; this is the regression test."""

@@ -66,6 +66,19 @@ def test_metrics_count_speculation(gateway: Service) -> None:
     steps = _metric(after, "tandem_upstream_target_steps_total") - steps0
     assert steps == timings["verify_steps"] and steps >= timings["verify_calls"] >= 1
     assert _metric(after, "tandem_upstream_compute_seconds_total", '{service="target"}') > 0
+    # The target engine's calls as it reports them in Info: some changed layout (prefill, then verify steps), none
+    # counted twice, their time inside the engine's forward time.
+    target = '{service="target"}'
+    calls, reshaped = (
+        _metric(after, "tandem_engine_decode_calls", target),
+        _metric(after, "tandem_engine_reshaped_calls", target),
+    )
+    assert calls >= steps and 1 <= reshaped <= calls
+    assert (
+        0
+        < _metric(after, "tandem_engine_reshaped_seconds", target)
+        <= _metric(after, "tandem_engine_decode_seconds", target)
+    )
 
 
 def _epochs_at_two(text: str) -> float:

@@ -98,7 +98,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         msg.capabilities.constraints = service.drafter.knows_grammars
         msg.capabilities.drafts_text = service.texts is not None
         msg.frame_port = self.frames.bound if self.frames is not None else 0
-        return serving_stats(msg, service.store, self.scheduler)
+        return serving_stats(msg, service.store, self.scheduler, self.engine)
 
     def frame_methods(self) -> dict[int, FrameMethod]:
         return {PROPOSE: FrameMethod(pb.ProposeRequest, pb.ProposeResponse, self.Propose, "/tandem.v1.Draft/Propose")}

@@ -83,6 +83,23 @@ class GatewayMetrics:
         self.kv_capacity = Gauge(
             "tandem_kv_capacity_tokens", "KV cells of each service's context", ["service"], registry=r
         )
+        # Each service's llama_decode calls since it started, and those whose batch layout changed from the call
+        # before (on CUDA they run without a replayed graph: decision 0022), as the service last reported them.
+        self.decode_calls = Gauge(
+            "tandem_engine_decode_calls", "llama_decode calls of each service's engine", ["service"], registry=r
+        )
+        self.decode_seconds = Gauge(
+            "tandem_engine_decode_seconds", "forward time of those calls", ["service"], registry=r
+        )
+        self.reshaped_calls = Gauge(
+            "tandem_engine_reshaped_calls",
+            "of those calls, the ones whose batch layout differed from the call before",
+            ["service"],
+            registry=r,
+        )
+        self.reshaped_seconds = Gauge(
+            "tandem_engine_reshaped_seconds", "forward time of the reshaped calls", ["service"], registry=r
+        )
         # tandem's split of decode time, summed over finished requests (a response has it with `timings_detail`).
         self.calls = Counter("tandem_upstream_calls", "Verify and Propose calls sent", ["service"], registry=r)
         self.rpc_seconds = Counter(
@@ -151,6 +168,10 @@ class GatewayMetrics:
             self.sessions.labels(service=name).set(info.load.active_sessions)
             self.kv_tokens.labels(service=name).set(info.load.kv_tokens)
             self.kv_capacity.labels(service=name).set(info.context_size)
+            self.decode_calls.labels(service=name).set(info.load.decode_calls)
+            self.decode_seconds.labels(service=name).set(info.load.decode_ns / 1e9)
+            self.reshaped_calls.labels(service=name).set(info.load.reshaped_calls)
+            self.reshaped_seconds.labels(service=name).set(info.load.reshaped_ns / 1e9)
             if name == "target":
                 self.synthetic.set(1 if info.capabilities.synthetic_acceptance else 0)
 

@@ -195,7 +195,7 @@ class TargetServicer(pb_grpc.TargetServicer):
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         v = self._ready()
-        msg = serving_stats(info_pb(v.engine), v.store, self.scheduler)
+        msg = serving_stats(info_pb(v.engine), v.store, self.scheduler, v.engine)
         msg.capabilities.synthetic_acceptance = v.synthetic_label
         msg.capabilities.prompt_lookup = True
         msg.capabilities.continues_rounds = True
