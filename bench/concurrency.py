@@ -23,6 +23,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -226,26 +227,24 @@ def main(args: argparse.Namespace) -> int:
     return 1 if failure else 0
 
 
-def _step_ms(row: dict) -> str:
-    """'on / off' forward ms a target step over a cell's samples, each step weighted by the calls it served (both
-    counters are summed per request); '-' where the gateway reported no steps."""
-    rates = []
+def _on_off(row: dict, part: str, whole: str, shown: Callable[[float], str]) -> str:
+    """'on / off' of sum(part) / sum(whole) over a cell's samples of each mode; '-' where `whole` is zero."""
+    values = []
     for mode in ("on", "off"):
         samples = [s for s in row["samples"] if s["mode"] == mode]
-        steps = sum(s.get("target_steps", 0.0) for s in samples)
-        forward = sum(s.get("target_forward_s", 0.0) for s in samples)
-        rates.append(f"{1e3 * forward / steps:.2f}" if steps else "-")
-    return " / ".join(rates)
+        total = sum(s.get(whole, 0.0) for s in samples)
+        values.append(shown(sum(s.get(part, 0.0) for s in samples) / total) if total > 0 else "-")
+    return " / ".join(values)
+
+
+def _step_ms(row: dict) -> str:
+    """Forward ms a target step, each step weighted by the calls it served (both counters are summed per request)."""
+    return _on_off(row, "target_forward_s", "target_steps", lambda v: f"{1e3 * v:.2f}")
 
 
 def _reshaped(row: dict) -> str:
-    """'on / off' share of the target's forward time in calls whose layout changed, over a cell's samples."""
-    shares = []
-    for mode in ("on", "off"):
-        samples = [s for s in row["samples"] if s["mode"] == mode]
-        total = sum(s.get("decode_s", 0.0) for s in samples)
-        shares.append(f"{100 * sum(s.get('reshaped_s', 0.0) for s in samples) / total:.0f}%" if total > 0 else "-")
-    return " / ".join(shares)
+    """The share of the target's forward time in calls whose layout changed."""
+    return _on_off(row, "reshaped_s", "decode_s", lambda v: f"{100 * v:.0f}%")
 
 
 def _spread(row: dict) -> str:
@@ -283,20 +282,18 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
     if any(_spread(r) for r in rows):
         lines += ["", "After the ratio: the lowest and highest on / off of one repetition (its two samples measured"]
         lines += ["back to back); a range across 1 says the cell's noise is larger than its difference."]
-    lines += [""]
-    lines += ["The target's forward time per engine step, ms, on / off (all samples of a cell):", ""]
-    lines += ["| workload | " + " | ".join(str(c) for c in levels) + " |", "|---|" + "---|" * len(levels)]
-    for name in names:
-        parts = [_step_ms(cell[(name, c)]) if (name, c) in cell else "-" for c in levels]
-        lines.append(f"| {name} | " + " | ".join(parts) + " |")
-    lines += [
-        "",
-        "Share of the target's forward time in calls whose batch layout changed from the call before, on / off:",
-    ]
-    lines += ["", "| workload | " + " | ".join(str(c) for c in levels) + " |", "|---|" + "---|" * len(levels)]
-    for name in names:
-        parts = [_reshaped(cell[(name, c)]) if (name, c) in cell else "-" for c in levels]
-        lines.append(f"| {name} | " + " | ".join(parts) + " |")
+    for title, shown in (
+        ("The target's forward time per engine step, ms, on / off (all samples of a cell):", _step_ms),
+        (
+            "Share of the target's forward time in calls whose batch layout changed from the call before, on / off:",
+            _reshaped,
+        ),
+    ):
+        lines += ["", title, "", "| workload | " + " | ".join(str(c) for c in levels) + " |"]
+        lines.append("|---|" + "---|" * len(levels))
+        for name in names:
+            parts = [shown(cell[(name, c)]) if (name, c) in cell else "-" for c in levels]
+            lines.append(f"| {name} | " + " | ".join(parts) + " |")
     (out / "concurrency.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:

@@ -243,8 +243,7 @@ class Engine:
         cparams.type_v = _GGML_TYPES[settings.cache_type_v]
         # CPU default: a KV slice per session, so each session's numerics are independent of the others.
         cparams.kv_unified = settings.resolved_kv_unified(on_gpu=self.backend != "CPU")
-        self.kv_unified = bool(cparams.kv_unified)
-        self.pack_steps = self.kv_unified and settings.pack_steps
+        self.pack_steps = bool(cparams.kv_unified) and settings.pack_steps
         cparams.no_perf = True
         self.device_argmax = settings.resolved_device_argmax(on_gpu=self.backend != "CPU")
         if self.device_argmax:  # a verify step wants k + 1 rows of one sequence; the default allows the sampler 1
