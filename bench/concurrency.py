@@ -140,19 +140,31 @@ METRICS = {
     "reshaped_s": 'tandem_engine_reshaped_seconds{service="target"}',
 }
 ROUND_KINDS = 'tandem_round_kinds_total{kind="'
+# The load governor's epochs, summed over load levels: in how many an "on" sample sent drafts and in how many it
+# decoded plainly (the governor's verdict, or its exploration), so a lost cell shows which of the two it ran.
+LOAD_EPOCHS = "tandem_load_epochs_total{"
 
 
 def snapshot(url: str, pids: dict[str, int]) -> dict[str, float]:
     """CPU seconds of each process so far and the gateway's counters: on the 2-core CPU the gateway's Python competes
     with the target's forward passes, and CPU time shows it where tok/s swings with the host (decision 0018)."""
     out = {f"{name}_cpu_s": process_cpu_s(pid) for name, pid in pids.items()}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+    return out | read_metrics(httpx.get(f"{url}/metrics", timeout=30).text)
+
+
+def read_metrics(text: str) -> dict[str, float]:
+    """The counters of `METRICS`, the round kinds and the governor's epochs from a gateway's /metrics text."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
         name, _, value = line.rpartition(" ")
         for key, metric in METRICS.items():
             if name == metric:
                 out[key] = float(value)
         if name.startswith(ROUND_KINDS):  # how rounds were sent: a lone request's calls, on against off
             out["rounds_" + name[len(ROUND_KINDS) : -2]] = float(value)
+        if name.startswith(LOAD_EPOCHS):
+            key = "epochs_drafted" if 'drafts="yes"' in name else "epochs_plain"
+            out[key] = out.get(key, 0.0) + float(value)
     return out
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.concurrency import tokens_in_window, write
+from bench.concurrency import read_metrics, tokens_in_window, write
 
 
 def test_a_request_counts_with_the_share_of_its_time_inside_the_window() -> None:
@@ -67,3 +67,18 @@ def test_a_run_stopped_by_a_failed_sample_says_so_above_its_cells(tmp_path) -> N
     table = (tmp_path / "concurrency.md").read_text()
     assert "**Stopped early** by a failed sample (HTTPStatusError: 503)" in table
     assert "(**1.25**)" in table
+
+
+def test_a_sample_reads_the_governors_epochs_from_the_gateways_metrics() -> None:
+    """Real metrics as the gateway renders them: epochs summed over load levels, by whether drafts were sent."""
+    from services.gateway.metrics import GatewayMetrics, observe_epoch
+
+    metrics = GatewayMetrics()
+    observe_epoch(metrics, "2", True, 500.0)
+    observe_epoch(metrics, "9-16", True, 900.0)
+    observe_epoch(metrics, "9-16", False, 950.0)
+    metrics.num_draft_tokens.inc(7)
+    read = read_metrics(metrics.render().decode())
+    assert read["epochs_drafted"] == 2.0
+    assert read["epochs_plain"] == 1.0
+    assert read["drafted"] == 7.0
