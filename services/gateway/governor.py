@@ -11,12 +11,11 @@ epochs, labelled by whether drafts were sent in them, by load level (generations
 gateway's, or the sessions of the target's latest step where more, `CostModel.target_load`). Epochs are compared in
 adjacent pairs (one of each kind, back to back at one level): what the deployment delivers moves with the mix of
 requests far more than drafting moves it (on one H100 a level's plain epochs ranged 1,464-2,528 tok/s in one run), and
-a pair sees the same mix. Where epochs with drafts deliver less than the epochs beside them without, or where the
-pairs cannot tell with some confidence (`CONFIDENCE_Z`), no request at that load drafts; one epoch in
-`EXPLORE_EVERY` runs the other way (and makes two pairs), so that a changed mix of text (or of load) can change the
-answer. A lone generation at the target is never governed: its own steps price it directly. This is a check on the
-price, per deployment, as the issue's "never slower than not drafting" asks; the price still chooses each round's
-draft length while drafting is allowed.
+a pair sees the same mix. Where epochs with drafts deliver less than the epochs beside them without, no request at
+that load drafts; one epoch in `EXPLORE_EVERY` runs the other way (and makes two pairs), so that a changed mix of text
+(or of load) can change the answer. A lone generation at the target is never governed: its own steps
+price it directly. This is a check on the price, per deployment, as the issue's "never slower than not drafting"
+asks; the price still chooses each round's draft length while drafting is allowed.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -43,13 +42,6 @@ RATE_EMA = 0.3  # weight of the newest epoch in a level's rate (reported, not de
 # A level's verdict changes only when the other kind leads by this much: on the 2-core CPU the two rates at 16 streams
 # of chat were within 1-2% and the verdict flipped every few seconds (2026-12-06).
 HYSTERESIS = 0.03
-# Drafting goes on at a level only where its pairs say it pays with some confidence: their median less this many
-# standard errors (estimated robustly, from the pairs' median absolute deviation) must be at least 0; otherwise the
-# level decodes plainly. Ties and noise go to not drafting, the side that cannot slow the server. On one H100 a level's
-# pairs for JSON at 4 streams said 1.21x, 0.95x, 1.07x and 0.87x in turn as the mix changed (2026-12-07), and each "goes
-# on" cost the cell: it ran 0.85x (0.82-0.88) of not drafting. Copied text on the 2-core CPU leads by 20-50% in pairs
-# that agree, far above the margin.
-CONFIDENCE_Z = 1.0
 
 
 def load_level(running: int) -> int | None:
@@ -92,21 +84,9 @@ class PairedRatio:
 
     @property
     def log_ratio(self) -> float:
-        return _median(self.recent)
-
-    @property
-    def lower_bound(self) -> float:
-        """`log_ratio` less `CONFIDENCE_Z` standard errors of a median (1.2533 sigma / sqrt(n), sigma from the median
-        absolute deviation: one pair far off, across a change of mix, does not widen it much)."""
-        middle = _median(self.recent)
-        sigma = 1.4826 * _median([abs(r - middle) for r in self.recent])
-        return middle - CONFIDENCE_Z * 1.2533 * sigma / math.sqrt(len(self.recent))
-
-
-def _median(values: Iterable[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+        ordered = sorted(self.recent)
+        middle = len(ordered) // 2
+        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 @dataclass
@@ -145,12 +125,11 @@ class LoadGovernor:
         self._drafted += drafted
 
     def decided(self, level: int) -> bool | None:
-        """What the pairs say at `level`: True (drafting delivers at least as much, with `CONFIDENCE_Z`), False (it
-        delivers less, or the pairs cannot tell), or None (too few)."""
+        """What the pairs say at `level`: True (drafting delivers at least as much), False, or None (too few)."""
         ratio = self.ratios.get(level)
         if ratio is None or ratio.pairs < MIN_PAIRS:
             return None
-        return ratio.lower_bound >= 0.0
+        return ratio.log_ratio >= 0.0
 
     def _record(self, level: int, drafted: bool, rate: float, start: float, now: float) -> None:
         """An epoch's rate, and a pair with the level's previous epoch if that was of the other kind, just before."""
