@@ -181,6 +181,30 @@ shape)
   GGML_CUDA_DISABLE_GRAPHS=1 python3 -m bench.gpu.shape_probe --model /tmp/models/0.5b.gguf --flash-attn "${FA:-on}" \
     2>/dev/null | tee -a "$OUT/shape.md"
   ;;
+pack-stress)
+  # Does the engine alone crash CUDA with packed steps (decision 0022)? bench.gpu.pack_stress, each pattern for
+  # SECONDS (default 40), packed; then the same without packing. After `build` (carry .gpu/model.part-ab
+  # .gpu/model.part-ac). SANITIZE=1 runs the rotate pattern under compute-sanitizer's memcheck instead (slow: it
+  # names the kernel and address of an illegal access). ENV adds variables, e.g. ENV=LLAMA_GRAPH_REUSE_DISABLE=1.
+  cat "$W"/model.part-* > "$W/model.gguf"
+  S=${SECONDS_EACH:-40}
+  filter() { grep -v "^sched\|^llama_\|^load\|^print_info\|^graph_\|^resolve_fused\|^\s*$" | tail -"${1:-12}"; }
+  if [ -n "${SANITIZE:-}" ]; then
+    CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    echo "compute-sanitizer: ${CS:-not found}"
+    env ${ENV:-X=1} "$CS" --tool memcheck --print-limit 5 python3 -m bench.gpu.pack_stress --model "$W/model.gguf" \
+      --pack --pattern rotate --seconds "$S" 2>&1 | filter 60 | tee "$OUT/pack-stress-sanitize.txt"
+    exit 0
+  fi
+  for p in rotate steady random; do
+    for pack in --pack ""; do
+      echo "== $p ${pack:-(one call per length)} ${ENV:-}"
+      env ${ENV:-X=1} timeout $((S + 60)) python3 -m bench.gpu.pack_stress --model "$W/model.gguf" $pack --pattern $p \
+        --seconds "$S" 2>&1 | filter 8 | tee -a "$OUT/pack-stress.txt"
+      echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/pack-stress.txt"
+    done
+  done
+  ;;
 bench-x2)
   # 2-GPU machine: target on GPU 0; model draft on the CPU, on GPU 0 and on GPU 1 (no peer: see the bench stage).
   cat "$W"/model.part-* > "$W/model.gguf"
