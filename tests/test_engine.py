@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import tandem.engine as engine_module  # isort: skip  (llama_cpp before numpy)
+import llama_cpp  # isort: skip
 import numpy as np
 import pytest
 
@@ -80,6 +81,61 @@ def test_one_kv_buffer_takes_unequal_drafts_in_one_call(unified_engine: Engine) 
         for item, rows, single in zip(items, together, alone, strict=True):
             assert rows.shape == (len(item.tokens), engine.n_vocab)
             np.testing.assert_array_equal(rows, single, err_msg=f"counts {counts}, seq {item.seq_id}")
+
+
+def _rotating_verifies(engine: Engine, steps: int, seed: int) -> list[np.ndarray]:
+    """Packed steps of four sequences, each step one of them verifying five tokens (a different one each step) and
+    the others one token, with a rollback of the verifier's rejected tokens: the step's token and row counts hold
+    while its composition changes, so llama.cpp reuses its previous graph (on CUDA the recorded graph is replayed)."""
+    rng = random.Random(seed)
+    rows: list[np.ndarray] = []
+    lengths = [0, 0, 0, 0]
+    for seq in range(4):
+        engine.clear(seq)
+        prompt = [rng.randrange(100, 30000) for _ in range(rng.randint(20, 60))]
+        rows += engine.decode([DecodeItem(seq, prompt, 0, "last")])
+        lengths[seq] = len(prompt)
+    for step in range(steps):
+        verifier = step % 4
+        items = [
+            DecodeItem(seq, [rng.randrange(100, 30000) for _ in range(5 if seq == verifier else 1)], lengths[seq],
+                       "all" if seq == verifier else "last")
+            for seq in range(4)
+        ]  # fmt: skip
+        rows += [np.array(r) for r in engine.decode(items)]
+        for item in items:
+            lengths[item.seq_id] += len(item.tokens)
+        lengths[verifier] -= rng.randint(0, 4)
+        engine.truncate(verifier, lengths[verifier])
+    return rows
+
+
+def _graphs_reused(engine: Engine) -> int:
+    """How many llama_decode calls of this context ran the previous call's graph again (llama.cpp's own count)."""
+    return llama_cpp.llama_perf_context(engine._ctx).n_reused
+
+
+def test_packed_steps_give_the_same_rows_with_graph_reuse_on_and_off(
+    unified_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The suspect of packing's CUDA crash (decision 0022) is llama.cpp reusing its previous graph for a step of the
+    same shape and another composition. On this backend reuse is exact: every row of 24 such steps equals, bit for
+    bit, the same steps in a context created with reuse off (LLAMA_GRAPH_REUSE_DISABLE, read at context creation)."""
+    monkeypatch.setenv("LLAMA_GRAPH_REUSE_DISABLE", "1")
+    no_reuse = Engine(unified_engine.settings)
+    try:
+        without = _rotating_verifies(no_reuse, steps=24, seed=5)
+        assert _graphs_reused(no_reuse) == 0
+    finally:
+        no_reuse.close()
+    reused = _graphs_reused(unified_engine)
+    with_reuse = _rotating_verifies(unified_engine, steps=24, seed=5)
+    assert _graphs_reused(unified_engine) - reused >= 20  # the steps after each verifier's first: the case in question
+    assert len(with_reuse) == len(without) == 4 + 24 * 4
+    for i, (a, b) in enumerate(zip(with_reuse, without, strict=True)):
+        np.testing.assert_array_equal(a, b, err_msg=f"row block {i}")
+    for seq in range(4):
+        unified_engine.clear(seq)
 
 
 def test_steps_go_by_length_unless_packing_is_asked_for(engine: Engine) -> None:
