@@ -6,7 +6,9 @@ Each setting can come from a CLI flag (`--n-gpu-layers 99`), an environment vari
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -94,8 +96,9 @@ class EngineSettings(BaseSettings):
     )
 
     # One llama_decode call a step however many draft lengths it holds (one KV buffer only): off by default, since on
-    # an H100 the target crashed with a CUDA error under load in 3 of 6 runs with it (none in the runs without it),
-    # and it showed no gain there (docs/decisions/0022).
+    # an H100 the target crashed with a CUDA error under load in 2 of 11 runs of the stock build with it (none in the
+    # runs without it), though it is what makes speculation pay there under load (docs/decisions/0022). On a GPU it
+    # runs with llama.cpp's graph reuse off (`graph_reuse`), the suspect of the crash.
     pack_steps: bool = Field(
         False, description="with one KV buffer, decode a step's sequences of unequal lengths in one call (experimental)"
     )
@@ -406,3 +409,25 @@ class GatewaySettings(BaseSettings):
                 f"local_ngram_min ({self.local_ngram_min}) must not exceed local_ngram_max ({self.local_ngram_max})"
             )
         return self
+
+
+@contextlib.contextmanager
+def graph_reuse(allowed: bool) -> Iterator[None]:
+    """Around the creation of a llama.cpp context: its graph reuse off where not `allowed` (llama.cpp reads
+    LLAMA_GRAPH_REUSE_DISABLE when it creates a context, so the process's other contexts keep theirs).
+
+    Packed steps on a GPU go without it: a reused graph skips the CUDA backend's check of what changed and replays the
+    recorded one, the suspect of the CUDA crash that keeps packing opt-in (decision 0022); on the CPU reuse is exact
+    for such steps (tests/test_engine.py)."""
+    if allowed:
+        yield
+        return
+    before = os.environ.get("LLAMA_GRAPH_REUSE_DISABLE")
+    os.environ["LLAMA_GRAPH_REUSE_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["LLAMA_GRAPH_REUSE_DISABLE"]
+        else:
+            os.environ["LLAMA_GRAPH_REUSE_DISABLE"] = before

@@ -22,7 +22,7 @@ import llama_cpp  # import before numpy: see shared notes (numpy first can crash
 import numpy as np
 
 from tandem import __version__
-from tandem.config import EngineSettings, session_layout
+from tandem.config import EngineSettings, graph_reuse, session_layout
 from tandem.errors import ContextOverflow, EngineFailure, InvalidArgument
 from tandem.models import resolve_model
 
@@ -248,7 +248,8 @@ class Engine:
         self.device_argmax = settings.resolved_device_argmax(on_gpu=self.backend != "CPU")
         if self.device_argmax:  # a verify step wants k + 1 rows of one sequence; the default allows the sampler 1
             cparams.n_outputs_max_per_seq = 0
-        self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
+        with graph_reuse(allowed=not (self.pack_steps and self.backend != "CPU")):
+            self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise EngineFailure("llama.cpp could not create a context (out of memory? try a smaller --n-ctx)")
         self._memory = llama_cpp.llama_get_memory(self._ctx)

@@ -3,6 +3,7 @@ each sequence exactly the logits it gets alone."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import tandem.engine as engine_module  # isort: skip  (llama_cpp before numpy)
@@ -10,7 +11,7 @@ import llama_cpp  # isort: skip
 import numpy as np
 import pytest
 
-from tandem.config import EngineSettings
+from tandem.config import EngineSettings, graph_reuse
 from tandem.engine import DecodeItem, Engine
 
 
@@ -120,9 +121,11 @@ def test_packed_steps_give_the_same_rows_with_graph_reuse_on_and_off(
 ) -> None:
     """The suspect of packing's CUDA crash (decision 0022) is llama.cpp reusing its previous graph for a step of the
     same shape and another composition. On this backend reuse is exact: every row of 24 such steps equals, bit for
-    bit, the same steps in a context created with reuse off (LLAMA_GRAPH_REUSE_DISABLE, read at context creation)."""
-    monkeypatch.setenv("LLAMA_GRAPH_REUSE_DISABLE", "1")
-    no_reuse = Engine(unified_engine.settings)
+    bit, the same steps in a context created with reuse off (`graph_reuse`, as packed steps on a GPU run)."""
+    monkeypatch.delenv("LLAMA_GRAPH_REUSE_DISABLE", raising=False)
+    with graph_reuse(allowed=False):  # as a packed engine on a GPU creates its context
+        no_reuse = Engine(unified_engine.settings)
+    assert "LLAMA_GRAPH_REUSE_DISABLE" not in os.environ  # only that context: the next one reuses again
     try:
         without = _rotating_verifies(no_reuse, steps=24, seed=5)
         assert _graphs_reused(no_reuse) == 0
