@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--verify-share", type=float, default=0.3, help="share of a step's sessions that verify")
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--reuse", action="store_true", help="with --pack, keep llama.cpp's graph reuse (packing turns it off on a GPU)"
+    )
     parser.add_argument("--restart", type=float, default=0.002, help="per session and step: it ends, another starts")
     parser.add_argument("--pattern", default="rotate", choices=("random", "rotate", "steady"))
     args = parser.parse_args(argv)
@@ -77,10 +80,12 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(args.seed)
     settings = EngineSettings(
         model=args.model, n_gpu_layers=args.n_gpu_layers, max_sessions=args.sessions, n_ctx=args.sessions * 2048,
-        device_argmax=args.device_argmax, flash_attn=args.flash_attn, kv_unified="on", pack_steps=args.pack,
+        device_argmax=args.device_argmax, flash_attn=args.flash_attn, kv_unified="on",
+        pack_steps=args.pack and not args.reuse,
     )  # fmt: skip
     prepare_process(settings)
     engine = Engine(settings)
+    engine.pack_steps = args.pack  # --reuse: packed steps in a context created as an unpacked one (graph reuse on)
     vocab = min(engine.n_vocab, 32000)
     lengths = [0] * args.sessions  # tokens each sequence holds
 

@@ -183,7 +183,7 @@ shape)
   ;;
 pack-stress)
   # Does the engine alone crash CUDA with packed steps (decision 0022)? bench.gpu.pack_stress, each pattern for
-  # SECONDS (default 40), packed; then the same without packing. After `build` (carry .gpu/model.part-ab
+  # SECONDS_EACH (default 40): packed with graph reuse (as before session 11), packed as now (reuse off), unpacked. After `build` (carry .gpu/model.part-ab
   # .gpu/model.part-ac). SANITIZE=1 runs the rotate pattern under compute-sanitizer's memcheck instead (slow: it
   # names the kernel and address of an illegal access). ENV adds variables, e.g. ENV=LLAMA_GRAPH_REUSE_DISABLE=1.
   cat "$W"/model.part-* > "$W/model.gguf"
@@ -193,11 +193,11 @@ pack-stress)
     CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
     echo "compute-sanitizer: ${CS:-not found}"
     env ${ENV:-X=1} "$CS" --tool memcheck --print-limit 5 python3 -m bench.gpu.pack_stress --model "$W/model.gguf" \
-      --pack --pattern rotate --seconds "$S" 2>&1 | filter 60 | tee "$OUT/pack-stress-sanitize.txt"
+      --pack --reuse --pattern rotate --seconds "$S" 2>&1 | filter 60 | tee "$OUT/pack-stress-sanitize.txt"
     exit 0
   fi
   for p in rotate steady random; do
-    for pack in --pack ""; do
+    for pack in "--pack --reuse" --pack ""; do
       echo "== $p ${pack:-(one call per length)} ${ENV:-}"
       env ${ENV:-X=1} timeout $((S + 60)) python3 -m bench.gpu.pack_stress --model "$W/model.gguf" $pack --pattern $p \
         --seconds "$S" 2>&1 | filter 8 | tee -a "$OUT/pack-stress.txt"
