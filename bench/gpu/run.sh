@@ -183,9 +183,10 @@ shape)
   ;;
 pack-stress)
   # Does the engine alone crash CUDA with packed steps (decision 0022)? bench.gpu.pack_stress, each pattern for
-  # SECONDS_EACH (default 40): packed with graph reuse (as before session 11), packed as now (reuse off), unpacked. After `build` (carry .gpu/model.part-ab
-  # .gpu/model.part-ac). SANITIZE=1 runs the rotate pattern under compute-sanitizer's memcheck instead (slow: it
-  # names the kernel and address of an illegal access). ENV adds variables, e.g. ENV=LLAMA_GRAPH_REUSE_DISABLE=1.
+  # SECONDS_EACH (default 40): packed with graph reuse (as before session 11), packed as now (reuse off), unpacked.
+  # After `build` (carry .gpu/model.part-ab .gpu/model.part-ac). SANITIZE=1 runs the rotate pattern, packed with
+  # reuse, under compute-sanitizer's memcheck instead (slow: it names the kernel and address of an illegal access).
+  # ENV adds variables, e.g. ENV=GGML_CUDA_DISABLE_GRAPHS=1.
   cat "$W"/model.part-* > "$W/model.gguf"
   S=${SECONDS_EACH:-40}
   filter() { grep -v "^sched\|^llama_\|^load\|^print_info\|^graph_\|^resolve_fused\|^\s*$" | tail -"${1:-12}"; }
