@@ -143,6 +143,9 @@ ROUND_KINDS = 'tandem_round_kinds_total{kind="'
 # The load governor's epochs, summed over load levels: in how many an "on" sample sent drafts and in how many it
 # decoded plainly (the governor's verdict, or its exploration), so a lost cell shows which of the two it ran.
 LOAD_EPOCHS = "tandem_load_epochs_total{"
+# What the gateway priced rounds at when a sample ended (gauges, not counted over the sample): why drafts went out.
+PRICE_ROUND = 'tandem_price_round_seconds{drafts="'
+PRICE_PLAIN = "tandem_price_plain_token_seconds"
 
 
 def snapshot(url: str, pids: dict[str, int]) -> dict[str, float]:
@@ -152,8 +155,14 @@ def snapshot(url: str, pids: dict[str, int]) -> dict[str, float]:
     return out | read_metrics(httpx.get(f"{url}/metrics", timeout=30).text)
 
 
+def over_sample(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What a sample spent: each counter's growth over it, and the prices (gauges) as they stood at its end."""
+    return {k: round(v, 3) if k.startswith("price_") else round(v - before.get(k, 0.0), 2) for k, v in after.items()}
+
+
 def read_metrics(text: str) -> dict[str, float]:
-    """The counters of `METRICS`, the round kinds and the governor's epochs from a gateway's /metrics text."""
+    """The counters of `METRICS`, the round kinds, the governor's epochs and the prices (ms) from a gateway's /metrics
+    text."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
@@ -162,6 +171,10 @@ def read_metrics(text: str) -> dict[str, float]:
                 out[key] = float(value)
         if name.startswith(ROUND_KINDS):  # how rounds were sent: a lone request's calls, on against off
             out["rounds_" + name[len(ROUND_KINDS) : -2]] = float(value)
+        if name.startswith(PRICE_ROUND):
+            out[f"price_round{name[len(PRICE_ROUND) : -2]}_ms"] = float(value) * 1e3
+        if name == PRICE_PLAIN:
+            out["price_plain_ms"] = float(value) * 1e3
         if name.startswith(LOAD_EPOCHS):
             key = "epochs_drafted" if 'drafts="yes"' in name else "epochs_plain"
             out[key] = out.get(key, 0.0) + float(value)
@@ -211,7 +224,7 @@ def main(args: argparse.Namespace) -> int:
                             gateway.address, workload, c, args.per_stream, args.max_tokens, MODES[name], args.window_s
                         )
                         after = snapshot(gateway.address, pids)
-                        spent = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()}
+                        spent = over_sample(before, after)
                         samples[name].append(tok_s)
                         details.append({"mode": name, "tok_s": round(tok_s, 1), **spent})
                         print(f"{workload.name} c={c} {name}: {tok_s:.1f} tok/s {spent}", file=sys.stderr, flush=True)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.concurrency import read_metrics, tokens_in_window, write
+from bench.concurrency import over_sample, read_metrics, tokens_in_window, write
 
 
 def test_a_request_counts_with_the_share_of_its_time_inside_the_window() -> None:
@@ -82,3 +82,29 @@ def test_a_sample_reads_the_governors_epochs_from_the_gateways_metrics() -> None
     assert read["epochs_drafted"] == 2.0
     assert read["epochs_plain"] == 1.0
     assert read["drafted"] == 7.0
+
+
+def test_a_sample_keeps_the_prices_at_its_end_and_counts_the_rest_over_it() -> None:
+    """The gateway's prices of rounds are gauges: a sample records them as they stood when it ended (in ms), where its
+    counters are differences. Read from metrics as the gateway renders them, for a cost model that measured steps."""
+    from services.gateway.costs import CostModel
+    from services.gateway.metrics import GatewayMetrics
+
+    costs = CostModel()
+    for tokens, ns in ((1, 2_000_000), (5, 3_000_000), (2, 2_250_000), (3, 2_500_000)) * 4:
+        costs.observe_verify(tokens, 1, ns)
+    costs.observe_plain_step(2_000_000)
+    costs.observe_overhead(500_000)
+    metrics = GatewayMetrics()
+    metrics.observe_prices(costs, max_draft=4)
+    metrics.num_draft_tokens.inc(7)
+    before = {"drafted": 3.0, "price_round0_ms": 9.0}
+    read = read_metrics(metrics.render().decode())
+    rounds = costs.round_costs(4, priced_alone=True)
+    assert rounds is not None
+    assert [read[f"price_round{k}_ms"] for k in range(5)] == pytest.approx([ns / 1e6 for ns in rounds])
+    assert "price_round5_ms" not in read
+    assert read["price_plain_ms"] == pytest.approx(costs.plain_from_round(rounds[0]) / 1e6)
+    spent = over_sample(before, read)
+    assert spent["drafted"] == 4.0
+    assert spent["price_round0_ms"] == round(read["price_round0_ms"], 3)

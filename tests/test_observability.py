@@ -79,6 +79,14 @@ def test_metrics_count_speculation(gateway: Service) -> None:
         < _metric(after, "tandem_engine_reshaped_seconds", target)
         <= _metric(after, "tandem_engine_decode_seconds", target)
     )
+    # What the gateway prices rounds at, now that it measured the target's steps: a plain round and each draft length
+    # up to 8, the plain token they are weighed against, the measured overhead, and the governor's current epoch.
+    rounds = [_metric(after, "tandem_price_round_seconds", f'{{drafts="{k}"}}') for k in range(9)]
+    assert all(0 < r < 10 for r in rounds), rounds
+    assert 0 < _metric(after, "tandem_price_plain_token_seconds") < 10
+    assert _metric(after, "tandem_price_step_sequences") >= 1
+    assert _metric(after, "tandem_price_round_overhead_seconds") > 0
+    assert _metric(after, "tandem_load_governor_allows_drafts") == 1  # nothing ran beside this request
 
 
 def _epochs_at_two(text: str) -> float:

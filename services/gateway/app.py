@@ -103,6 +103,9 @@ async def metrics(request: Request) -> Response:
     upstreams = getattr(request.app.state, "upstreams", None)
     if upstreams is not None:
         await registry.refresh_upstreams({"target": upstreams.target, "draft": upstreams.draft})
+    serving = getattr(request.app.state, "serving", None)
+    if serving is not None:
+        registry.observe_prices(serving.costs, serving.default_n_max)
     return Response(registry.render(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -296,8 +296,9 @@ class CostModel:
         costs = self._loaded_costs(k)
         return None if costs is None else costs[k]
 
-    def _loaded_costs(self, max_k: int) -> list[float] | None:
-        """`loaded_round_ns(k)` for k = 0..max_k, the line computed once."""
+    def _loaded_costs(self, max_k: int, governed: bool = True) -> list[float] | None:
+        """`loaded_round_ns(k)` for k = 0..max_k, the line computed once; `governed`: where the load governor stops
+        drafts at this load, every draft is priced out (a reader that only looks passes False: asking rolls epochs)."""
         line = self.line(remembered=True)
         if line is None:
             return None
@@ -307,7 +308,8 @@ class CostModel:
             overhead = self.overhead_alone_ns
         else:
             overhead = (self.overhead_ns or 0.0) / self.sequences
-        if self.running is not None and not self.governor.allows_drafting(self.target_load(), self.own_load()):
+        ask_governor = governed and self.running is not None
+        if ask_governor and not self.governor.allows_drafting(self.target_load(), self.own_load()):
             return [part + per_token, *[math.inf] * max_k]  # measured: drafts at this load delivered less
         drafted = [
             (part + per_token * (k + 1) + overhead + self.draft_token_ns * k) * LOADED_DRAFT_MARGIN
@@ -315,10 +317,10 @@ class CostModel:
         ]
         return [part + per_token, *drafted]
 
-    def round_costs(self, max_k: int, priced_alone: bool = False) -> list[float] | None:
+    def round_costs(self, max_k: int, priced_alone: bool = False, governed: bool = True) -> list[float] | None:
         """`round_ns(k, priced_alone)` for k = 0..max_k, or None while any of them is unknown."""
         if self.loaded:
-            return self._loaded_costs(max_k)
+            return self._loaded_costs(max_k, governed)
         line = self.line()  # once: it sums the fit (~1.5 us), and a lookup's floor prices up to 33 rounds per call
         costs = [self._alone_round_ns(k, priced_alone, line) for k in range(max_k + 1)]
         return None if any(c is None for c in costs) else costs  # type: ignore[return-value]

@@ -117,6 +117,11 @@ class LoadGovernor:
         self._roll(running, own)
         return self._allow or load_level(running) is None
 
+    @property
+    def allowing(self) -> bool:
+        """Whether the current epoch allows drafts (read without rolling epochs)."""
+        return self._allow
+
     def emitted(self, tokens: int, drafted: int, running: int, own: int | None = None) -> None:
         """A generation emitted `tokens` tokens, and had `drafted` draft tokens verified since it last emitted, with
         `running` generations at the target, `own` of them this gateway's (default: all)."""

@@ -11,9 +11,11 @@ import asyncio
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from services.gateway.costs import CostModel
 from tandem.v1 import tandem_pb2 as pb
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
+PRICED_DRAFTS_SHOWN = 8  # /metrics shows the price of rounds with up to this many drafts (longer ones extend the line)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 40, 60, 80, 100, 150, 200, 300, 500, 800, 1200, 2000)
 
 
@@ -68,6 +70,30 @@ class GatewayMetrics:
             "tokens a second all generations delivered in the last recorded epoch of that kind",
             ["running", "drafts"],
             registry=r,
+        )
+        # What the gateway prices rounds at now, as a lookup round's draft length is chosen (scraped: why drafts go
+        # out or not on this deployment). Empty until the target's steps have been measured.
+        self.price_round = Gauge(
+            "tandem_price_round_seconds",
+            "priced cost of a round with this many draft tokens (0: a plain round), before the load governor's verdict",
+            ["drafts"],
+            registry=r,
+        )
+        self.price_plain_token = Gauge(
+            "tandem_price_plain_token_seconds", "priced cost of a token decoded without a draft", registry=r
+        )
+        self.price_overhead = Gauge(
+            "tandem_price_round_overhead_seconds",
+            "measured time of a round outside the forward passes (stepping alone where measured)",
+            registry=r,
+        )
+        self.price_sequences = Gauge(
+            "tandem_price_step_sequences",
+            "mean sessions per target step (from 1.5 rounds are priced as a share of a batched step)",
+            registry=r,
+        )
+        self.governor_allows = Gauge(
+            "tandem_load_governor_allows_drafts", "1 while the load governor's current epoch allows drafts", registry=r
         )
         self.synthetic = Gauge(
             "tandem_synthetic_acceptance",
@@ -176,6 +202,22 @@ class GatewayMetrics:
                 self.synthetic.set(1 if info.capabilities.synthetic_acceptance else 0)
 
         await asyncio.gather(*(one(n, s) for n, s in stubs.items() if s is not None))
+
+    def observe_prices(self, costs: CostModel, max_draft: int) -> None:
+        """The cost model's prices now (scrape time), as `MatchLengthPolicy.pricing` reads them for a lookup round."""
+        self.price_sequences.set(costs.sequences)
+        overhead = costs.overhead_alone_ns if costs.overhead_alone_ns is not None else costs.overhead_ns
+        if overhead is not None:
+            self.price_overhead.set(overhead / 1e9)
+        self.governor_allows.set(1 if costs.governor.allowing else 0)
+        rounds = costs.round_costs(min(max_draft, PRICED_DRAFTS_SHOWN), priced_alone=True, governed=False)
+        if rounds is None:
+            return
+        for k, ns in enumerate(rounds):
+            self.price_round.labels(drafts=str(k)).set(ns / 1e9)
+        plain = costs.plain_from_round(rounds[0])
+        if plain is not None:
+            self.price_plain_token.set(plain / 1e9)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
