@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import os
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from tandem import __version__
 from tandem.config import EngineSettings, graph_reuse, session_layout
 from tandem.errors import ContextOverflow, EngineFailure, InvalidArgument
 from tandem.models import resolve_model
+from tandem.step_padding import Padded, StepPadding, pad_items, slice_rows
 
 log = logging.getLogger(__name__)
 # llama.cpp logs through this logger (llama_cpp._logger); keep its chatter to errors unless asked for debug.
@@ -82,7 +82,8 @@ def greedy_token(row: np.ndarray | int) -> int:
     return row if isinstance(row, int) else int(row.argmax())
 
 
-def _meta(model: ctypes.c_void_p, key: str) -> str:
+def meta_value(model: ctypes.c_void_p, key: str) -> str:
+    """A string from the GGUF's metadata ("" where the key is absent)."""
     buf = ctypes.create_string_buffer(4096)
     n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
     return buf.value.decode("utf-8", "replace") if n >= 0 else ""
@@ -125,45 +126,6 @@ def quiet_llama_logs() -> None:
     if _LOG_CALLBACK is None:
         _LOG_CALLBACK = llama_cpp.llama_log_callback(lambda level, text, data: None)
         llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
-
-
-@dataclass(frozen=True)
-class ModelSummary:
-    """What a GGUF says about itself, read without its weights (tandem.check_pair)."""
-
-    path: str
-    name: str
-    architecture: str
-    size_label: str
-    context_length: int
-    n_vocab: int
-    fingerprint: str
-    file_bytes: int
-
-
-def read_summary(path: str) -> ModelSummary:
-    """Load only the vocabulary and metadata of a GGUF (a fraction of a second even for a 40 GB file)."""
-    mparams = llama_cpp.llama_model_default_params()
-    mparams.vocab_only = True
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
-    if not model:
-        raise EngineFailure(f"llama.cpp could not read {path}")
-    try:
-        vocab = llama_cpp.llama_model_get_vocab(model)
-        arch = _meta(model, "general.architecture")
-        context = _meta(model, f"{arch}.context_length")
-        return ModelSummary(
-            path=str(path),
-            name=_meta(model, "general.name") or str(path).rsplit("/", 1)[-1],
-            architecture=arch,
-            size_label=_meta(model, "general.size_label"),
-            context_length=int(context) if context.isdigit() else 0,
-            n_vocab=llama_cpp.llama_vocab_n_tokens(vocab),
-            fingerprint=vocab_fingerprint(vocab),
-            file_bytes=os.path.getsize(path),
-        )
-    finally:
-        llama_cpp.llama_model_free(model)
 
 
 def _detect_backend(settings: EngineSettings) -> tuple[str, str]:
@@ -244,6 +206,7 @@ class Engine:
         # CPU default: a KV slice per session, so each session's numerics are independent of the others.
         cparams.kv_unified = settings.resolved_kv_unified(on_gpu=self.backend != "CPU")
         self.pack_steps = bool(cparams.kv_unified) and settings.pack_steps
+        self.padding = StepPadding() if settings.pad_steps else None
         cparams.no_perf = True
         self.device_argmax = settings.resolved_device_argmax(on_gpu=self.backend != "CPU")
         if self.device_argmax:  # a verify step wants k + 1 rows of one sequence; the default allows the sampler 1
@@ -269,8 +232,8 @@ class Engine:
 
         # The file name is what users recognise and pass as `model` (llama-server does the same).
         self.name = path.stem
-        self.description = _meta(self._model, "general.name")
-        self.architecture = _meta(self._model, "general.architecture")
+        self.description = meta_value(self._model, "general.name")
+        self.architecture = meta_value(self._model, "general.architecture")
         template = llama_cpp.llama_model_chat_template(self._model, None)
         self.chat_template = template.decode("utf-8", "replace") if template else ""
         self.pieces = [self._piece(t, special=False) for t in range(self.n_vocab)]
@@ -418,6 +381,15 @@ class Engine:
                 raise ContextOverflow(
                     f"sequence of {item.start + len(item.tokens)} tokens exceeds the context size {self.n_ctx}"
                 )
+        padded = self._padded(items)
+        if padded is not None:
+            rows = padded.rows(self._decode(padded.items, copy), slice_rows)
+            for item in items:  # the padding's KV cells
+                self.truncate(item.seq_id, item.start + len(item.tokens))
+            return rows
+        return self._decode(items, copy)
+
+    def _decode(self, items: Sequence[DecodeItem], copy: bool) -> list[Rows]:
         out: list[list[Rows]] = [[] for _ in items]
         plan = self._plan(items)
         for part in plan:
@@ -426,6 +398,19 @@ class Engine:
             return out[0]
         empty = np.zeros((0, self.n_vocab), np.float32)
         return [_joined(parts) if parts else empty for parts in out]
+
+    def _padded(self, items: Sequence[DecodeItem]) -> Padded | None:
+        """`pad_steps`: the step's items padded to one token count (tandem.step_padding), where every one of them
+        reads only device argmaxes and has room; None: the step runs as it is."""
+        if self.padding is None or not items:
+            return None
+        argmax_only = not self.padding.logits_too
+        if not all(item.tokens and (item.seq_id in self._argmax_chains or not argmax_only) for item in items):
+            return None
+        length = self.padding.length_for([len(item.tokens) for item in items])
+        if length <= 1 or any(item.start + length > self.n_ctx for item in items):
+            return None
+        return pad_items(items, length)
 
     def _plan(self, items: Sequence[DecodeItem]) -> list[list[tuple[int, int, int]]]:
         """Cut the items into llama_decode calls of (item, first token, token count) parts.
