@@ -383,7 +383,13 @@ class Engine:
                 )
         padded = self._padded(items)
         if padded is not None:
-            rows = padded.rows(self._decode(padded.items, copy), slice_rows)
+            try:
+                rows = padded.rows(self._decode(padded.items, copy), slice_rows)
+            except ContextOverflow:  # no room for the padding's cells: the step as it is, from where it began
+                for item in items:
+                    self.truncate(item.seq_id, item.start)
+                self.padding.length = 1
+                return self._decode(items, copy)
             for item in items:  # the padding's KV cells
                 self.truncate(item.seq_id, item.start + len(item.tokens))
             return rows

@@ -149,3 +149,34 @@ def test_a_step_with_a_sequence_that_reads_logits_is_not_padded(engines: tuple[E
         assert padded.padding is not None and padded.padding.length == before  # the rule did not even see the step
     finally:
         padded.set_device_argmax(3, True)
+
+
+def test_a_step_without_room_for_its_padding_runs_unpadded() -> None:
+    """One KV buffer of 256 cells nearly full: the padded step (four items of five tokens) finds no room where the
+    step itself (eight tokens) does; it runs unpadded, with the rows a never-padded engine gives, and padding starts
+    over from single tokens."""
+    engines = []
+    for pad in (False, True):
+        settings = EngineSettings(
+            n_threads=1, max_sessions=4, n_ctx=256, n_batch=64, kv_unified="on", flash_attn="on", device_argmax="on",
+            pad_steps=pad,
+        )  # fmt: skip
+        engine = Engine(settings)
+        for seq in range(4):
+            engine.set_device_argmax(seq, True)
+        engines.append(engine)
+    try:
+        results = []
+        for engine in engines:
+            prompt = engine.tokenize("A long enough prompt to fill most of a small cache. " * 6)[:60]
+            for seq in range(4):
+                engine.decode([DecodeItem(seq, prompt, 0, "last")])
+            n = len(prompt)
+            assert 256 - 4 * n < 20  # no room for 4 x 5 tokens, room for 5 + 3
+            items = [DecodeItem(seq, [100] * (5 if seq == 0 else 1), n, "all") for seq in range(4)]
+            results.append([list(rows.tokens) for rows in engine.decode(items)])
+        assert results[0] == results[1] and [len(r) for r in results[1]] == [5, 1, 1, 1]
+        assert engines[1].padding is not None and engines[1].padding.length == 1
+    finally:
+        for engine in engines:
+            engine.close()
