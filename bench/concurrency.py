@@ -171,9 +171,9 @@ def read_metrics(text: str) -> dict[str, float]:
                 out[key] = float(value)
         if name.startswith(ROUND_KINDS):  # how rounds were sent: a lone request's calls, on against off
             out["rounds_" + name[len(ROUND_KINDS) : -2]] = float(value)
-        if name.startswith(PRICE_ROUND):
+        if name.startswith(PRICE_ROUND) and value != "NaN":
             out[f"price_round{name[len(PRICE_ROUND) : -2]}_ms"] = float(value) * 1e3
-        if name == PRICE_PLAIN:
+        if name == PRICE_PLAIN and value != "NaN":  # NaN: not measured yet
             out["price_plain_ms"] = float(value) * 1e3
         if name.startswith(LOAD_EPOCHS):
             key = "epochs_drafted" if 'drafts="yes"' in name else "epochs_plain"

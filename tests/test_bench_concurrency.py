@@ -90,6 +90,8 @@ def test_a_sample_keeps_the_prices_at_its_end_and_counts_the_rest_over_it() -> N
     from services.gateway.costs import CostModel
     from services.gateway.metrics import GatewayMetrics
 
+    unmeasured = read_metrics(GatewayMetrics().render().decode())
+    assert "price_plain_ms" not in unmeasured and "price_round0_ms" not in unmeasured  # NaN until measured
     costs = CostModel()
     for tokens, ns in ((1, 2_000_000), (5, 3_000_000), (2, 2_250_000), (3, 2_500_000)) * 4:
         costs.observe_verify(tokens, 1, ns)

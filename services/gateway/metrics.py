@@ -8,6 +8,7 @@ the gateway shows the whole stack.
 from __future__ import annotations
 
 import asyncio
+import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -92,6 +93,8 @@ class GatewayMetrics:
             "mean sessions per target step (from 1.5 rounds are priced as a share of a batched step)",
             registry=r,
         )
+        for unknown in (self.price_plain_token, self.price_overhead, self.price_sequences):
+            unknown.set(math.nan)  # until measured (Prometheus's NaN: no value yet), not a price of 0
         self.governor_allows = Gauge(
             "tandem_load_governor_allows_drafts", "1 while the load governor's current epoch allows drafts", registry=r
         )
@@ -207,8 +210,7 @@ class GatewayMetrics:
         """The cost model's prices now (scrape time), as `MatchLengthPolicy.pricing` reads them for a lookup round."""
         self.price_sequences.set(costs.sequences)
         overhead = costs.overhead_alone_ns if costs.overhead_alone_ns is not None else costs.overhead_ns
-        if overhead is not None:
-            self.price_overhead.set(overhead / 1e9)
+        self.price_overhead.set(overhead / 1e9 if overhead is not None else math.nan)
         self.governor_allows.set(1 if costs.governor.allowing else 0)
         rounds = costs.round_costs(min(max_draft, PRICED_DRAFTS_SHOWN), priced_alone=True, governed=False)
         if rounds is None:
@@ -216,8 +218,7 @@ class GatewayMetrics:
         for k, ns in enumerate(rounds):
             self.price_round.labels(drafts=str(k)).set(ns / 1e9)
         plain = costs.plain_from_round(rounds[0])
-        if plain is not None:
-            self.price_plain_token.set(plain / 1e9)
+        self.price_plain_token.set(plain / 1e9 if plain is not None else math.nan)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
