@@ -181,6 +181,17 @@ shape)
   GGML_CUDA_DISABLE_GRAPHS=1 python3 -m bench.gpu.shape_probe --model /tmp/models/0.5b.gguf --flash-attn "${FA:-on}" \
     2>/dev/null | tee -a "$OUT/shape.md"
   ;;
+shapes-ab)
+  # Decision 0023's A/B in one call: the concurrency benchmark for the default, --pad-steps and --pack-steps, each on
+  # a fresh stack, after `build` (carry .gpu/model.part-ab .gpu/model.part-ac tandem/v1). LEVELS (default 1,4,16) and
+  # WORKLOADS (edit,chat,json) set the matrix: about 170 s a variant at the defaults. Logs tarred into $OUT/logs.tgz.
+  for v in "default|" "pad|--pad-steps" "pack|--pack-steps"; do
+    TARGET_EXTRA="--flash-attn off ${v#*|}" LABEL=${v%%|*} BENCH_ARGS="--concurrency ${LEVELS:-1,4,16} \
+      --workloads ${WORKLOADS:-edit,chat,json} --reps 2 --per-stream 4 --window-s 3" bash "$0" concurrency 2>&1 \
+      | grep "^| [a-z]\|stopped" | head -24
+  done
+  (cd "$OUT" && tar czf logs.tgz concurrency-*/logs && rm -rf concurrency-*/logs concurrency-*/*.png)
+  ;;
 pack-stress)
   # Does the engine alone crash CUDA with packed steps (decision 0022)? bench.gpu.pack_stress, each pattern for
   # SECONDS_EACH (default 40): packed with graph reuse (as before session 11), packed as now (reuse off), unpacked.
