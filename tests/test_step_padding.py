@@ -5,13 +5,29 @@ from __future__ import annotations
 
 import tandem.engine as engine_module  # isort: skip  (llama_cpp before numpy)
 import random
+from collections.abc import Generator
+from typing import Any
 
 import numpy as np
 import pytest
 
+from services.draft.drafters import ModelDrafter
+from services.target.verifier import OpenSpec, Verifier, VerifySpec
 from tandem.config import EngineSettings
 from tandem.engine import DecodeItem, DeviceArgmax, Engine
+from tandem.sampling import SamplingParams
+from tandem.sessions import Session, make_rng
 from tandem.step_padding import StepPadding, pad_items, slice_rows
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _finish(steps: Generator[None, None, Any]) -> Any:
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 
 def test_a_step_is_padded_to_the_longest_item_and_holds_that_length_for_a_few_steps() -> None:
@@ -180,3 +196,49 @@ def test_a_step_without_room_for_its_padding_runs_unpadded() -> None:
     finally:
         for engine in engines:
             engine.close()
+
+
+def _greedy_texts(pad: bool, drafting: bool) -> tuple[list[list[int]], int]:
+    """Three greedy sessions through the target's verifier for 40 tokens each: with `drafting`, session 0 verifies
+    the model draft's 4-token proposals (the same model), session 1 wrong 3-token drafts (rejected, rolled back) on
+    odd steps and single tokens otherwise, session 2 single tokens; without it every session decodes token by token.
+    Returns each session's tokens and the target engine's llama_decode calls whose layout changed."""
+    target = _engine(pad)
+    draft = _engine(pad=False)
+    try:
+        verifier = Verifier(target, idle_timeout_s=60.0)
+        drafter = ModelDrafter(draft)
+        texts = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", "List three colours: red,", "Dear Sir,"]
+        specs = [OpenSpec(f"g{i}", target.tokenize(t), GREEDY) for i, t in enumerate(texts)]
+        opened = _finish(verifier.open_steps(specs))
+        sessions = [
+            Session(spec.session_id, i, tuple(spec.prompt), GREEDY, make_rng(0),
+                    tokens=[*spec.prompt, first.first_token.token_id])
+            for i, (spec, first) in enumerate(zip(specs, opened, strict=True))
+        ]  # fmt: skip
+        drafter.open(sessions[:1])
+        step = 0
+        while min(len(s.tokens) - len(s.prompt) for s in sessions) < 40:
+            drafts: list[tuple[int, ...]] = [(), (), ()]
+            if drafting:
+                drafts[0] = tuple(drafter.propose(sessions[0], 4).tokens)
+                drafts[1] = (7, 7, 7) if step % 2 else ()
+            work = [[VerifySpec(s.session_id, len(s.tokens), d, None)] for s, d in zip(sessions, drafts, strict=True)]
+            for s, (result,) in zip(sessions, verifier.verify_groups(work), strict=True):
+                s.tokens.extend(t.token_id for t in result.tokens)
+            step += 1
+        return [s.tokens[len(s.prompt) :][:40] for s in sessions], target.reshaped_calls
+    finally:
+        target.close()
+        draft.close()
+
+
+def test_speculative_greedy_text_with_padded_steps_is_target_only_text() -> None:
+    """Lossless through the target's verifier: greedy speculative decoding with padded steps (drafts accepted,
+    drafts rejected and rolled back, plain sessions padded beside them) gives each session the text of target-only
+    decoding, token for token."""
+    reference, _ = _greedy_texts(pad=False, drafting=False)
+    unpadded, changed_unpadded = _greedy_texts(pad=False, drafting=True)
+    padded, changed_padded = _greedy_texts(pad=True, drafting=True)
+    assert padded == unpadded == reference
+    assert changed_padded < changed_unpadded / 2, (changed_padded, changed_unpadded)  # it did pad
