@@ -388,10 +388,11 @@ class Engine:
             except ContextOverflow:  # no room for the padding's cells: the step as it is, from where it began
                 for item in items:
                     self.truncate(item.seq_id, item.start)
-                self.padding.length = 1
+                self.padding.reset()
                 return self._decode(items, copy)
-            for item in items:  # the padding's KV cells
-                self.truncate(item.seq_id, item.start + len(item.tokens))
+            for item, padded_item in zip(items, padded.items, strict=True):  # the padding's KV cells
+                if len(padded_item.tokens) > len(item.tokens):
+                    self.truncate(item.seq_id, item.start + len(item.tokens))
             return rows
         return self._decode(items, copy)
 
@@ -410,8 +411,7 @@ class Engine:
         reads only device argmaxes and has room; None: the step runs as it is."""
         if self.padding is None or not items:
             return None
-        argmax_only = not self.padding.logits_too
-        if not all(item.tokens and (item.seq_id in self._argmax_chains or not argmax_only) for item in items):
+        if not all(item.tokens and (item.seq_id in self._argmax_chains or self.padding.logits_too) for item in items):
             return None
         length = self.padding.length_for([len(item.tokens) for item in items])
         if length <= 1 or any(item.start + length > self.n_ctx for item in items):

@@ -38,6 +38,10 @@ class StepPadding:
     length: int = 1  # the count steps are padded to now
     idle: int = 0  # steps since an item needed `length`
 
+    def reset(self) -> None:
+        """Back to unpadded steps (a padded step found no room in the KV cache)."""
+        self.length, self.idle = 1, 0
+
     def length_for(self, lengths: Sequence[int]) -> int:
         """The token count for a step of items of these `lengths` (1: no padding), and the rule's state advanced."""
         longest = max(lengths, default=0)

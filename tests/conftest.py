@@ -7,17 +7,29 @@ stopped by PID at the end of the session.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from tandem.launch import Process, start_gateway, start_model_service
 
-__all__ = ["Service", "start_gateway", "start_model_service"]
+__all__ = ["Service", "run_steps", "start_gateway", "start_model_service"]
 
 Service = Process
+
+
+def run_steps(steps: Generator[None, None, Any]) -> Any:
+    """Drive a stepwise engine job (`open_steps`, `prefill_steps`) to its end, as the scheduler would; its value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
 # Two model processes share this 2-core machine in tests: one thread each keeps them from starving each other.
 THREADS = os.environ.get("TANDEM_TEST_THREADS", "1")
 

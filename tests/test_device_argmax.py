@@ -6,7 +6,6 @@ alone and beside sessions that read whole rows, and speculative greedy text is t
 from __future__ import annotations
 
 import tandem.engine as engine_module  # isort: skip  (llama_cpp before numpy)
-from collections.abc import Generator
 from typing import Any
 
 import numpy as np
@@ -18,6 +17,7 @@ from tandem.config import EngineSettings
 from tandem.engine import DecodeItem, DeviceArgmax, Engine
 from tandem.sampling import SamplingParams
 from tandem.sessions import Session, make_rng
+from tests.conftest import run_steps
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -27,14 +27,6 @@ def _engine(device_argmax: str, max_sessions: int = 4) -> Engine:
     return Engine(
         EngineSettings(n_threads=1, max_sessions=max_sessions, n_ctx=8192, n_batch=64, device_argmax=device_argmax)
     )
-
-
-def _finish(steps: Generator[None, None, Any]) -> Any:
-    while True:
-        try:
-            next(steps)
-        except StopIteration as stop:
-            return stop.value
 
 
 def test_auto_is_off_on_the_cpu_and_off_refuses_to_attach() -> None:
@@ -119,7 +111,7 @@ def _speculate(device_argmax: str) -> tuple[list[list[int]], list[bool], list[in
             OpenSpec("sampled", target.tokenize("Once upon a time"), SamplingParams(temperature=0.8, seed=3)),
             OpenSpec("logprobs", target.tokenize("The capital of France is"), GREEDY, top_logprobs=2),
         ]
-        opened = _finish(verifier.open_steps(specs))
+        opened = run_steps(verifier.open_steps(specs))
         on = [target.argmax_on(verifier.store.get(s.session_id).seq_id) for s in specs]
         sessions = []
         for i, (spec, first) in enumerate(zip(specs[:2], opened, strict=False)):

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import tandem.engine as engine_module  # isort: skip  (llama_cpp before numpy)
 import random
-from collections.abc import Generator
-from typing import Any
 
 import numpy as np
 import pytest
@@ -18,16 +16,9 @@ from tandem.engine import DecodeItem, DeviceArgmax, Engine
 from tandem.sampling import SamplingParams
 from tandem.sessions import Session, make_rng
 from tandem.step_padding import StepPadding, pad_items, slice_rows
+from tests.conftest import run_steps
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-def _finish(steps: Generator[None, None, Any]) -> Any:
-    while True:
-        try:
-            next(steps)
-        except StopIteration as stop:
-            return stop.value
 
 
 def test_a_step_is_padded_to_the_longest_item_and_holds_that_length_for_a_few_steps() -> None:
@@ -210,7 +201,7 @@ def _greedy_texts(pad: bool, drafting: bool) -> tuple[list[list[int]], int]:
         drafter = ModelDrafter(draft)
         texts = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", "List three colours: red,", "Dear Sir,"]
         specs = [OpenSpec(f"g{i}", target.tokenize(t), GREEDY) for i, t in enumerate(texts)]
-        opened = _finish(verifier.open_steps(specs))
+        opened = run_steps(verifier.open_steps(specs))
         sessions = [
             Session(spec.session_id, i, tuple(spec.prompt), GREEDY, make_rng(0),
                     tokens=[*spec.prompt, first.first_token.token_id])

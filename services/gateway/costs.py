@@ -267,10 +267,16 @@ class CostModel:
             return self.loaded_round_ns(k)
         return self._alone_round_ns(k, priced_alone, self.line())
 
+    @property
+    def lone_overhead_ns(self) -> float | None:
+        """A round's overhead as a lone round is priced: measured on rounds stepping alone, else on any (None: none
+        measured yet)."""
+        return self.overhead_alone_ns if self.overhead_alone_ns is not None else self.overhead_ns
+
     def _alone_round_ns(self, k: int, priced_alone: bool, line: tuple[float, float] | None) -> float | None:
         """`round_ns` alone, the line computed by the caller; the overhead measured alone (after a burst
         `overhead_ns` held the wait for 8 sessions' steps, and a lone chat request then drafted nothing)."""
-        overhead = self.overhead_alone_ns if self.overhead_alone_ns is not None else self.overhead_ns or 0.0
+        overhead = self.lone_overhead_ns or 0.0
         if priced_alone or line is not None:
             measured = self.lone_step_ns(k + 1) if priced_alone else self.step_ns(k + 1)
             if measured is not None:

@@ -209,7 +209,7 @@ class GatewayMetrics:
     def observe_prices(self, costs: CostModel, max_draft: int) -> None:
         """The cost model's prices now (scrape time), as `MatchLengthPolicy.pricing` reads them for a lookup round."""
         self.price_sequences.set(costs.sequences)
-        overhead = costs.overhead_alone_ns if costs.overhead_alone_ns is not None else costs.overhead_ns
+        overhead = costs.lone_overhead_ns
         self.price_overhead.set(overhead / 1e9 if overhead is not None else math.nan)
         self.governor_allows.set(1 if costs.governor.allowing else 0)
         rounds = costs.round_costs(min(max_draft, PRICED_DRAFTS_SHOWN), priced_alone=True, governed=False)
