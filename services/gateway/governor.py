@@ -241,6 +241,7 @@ class LoadGovernor:
             best = said
         if said != best:
             self._said[level] = best
+            self._doubts[level] = 0  # a doubt was about the verdict before
             log.info(
                 "at %s generations running, drafting %s: epochs with drafts delivered %.2fx of the epochs beside them"
                 " without (%d pairs)",
