@@ -103,13 +103,6 @@ class EngineSettings(BaseSettings):
         False, description="with one KV buffer, decode a step's sequences of unequal lengths in one call (experimental)"
     )
 
-    # Every sequence of a step padded to the step's longest, for steps of sequences that read only device argmaxes, so
-    # that consecutive steps keep one shape (on CUDA a changed shape runs without a recorded graph: decision 0023).
-    pad_steps: bool = Field(
-        False,
-        description="pad a step's greedy sequences to one token count, keeping the step's shape (experimental, GPU)",
-    )
-
     def resolved_device_argmax(self, on_gpu: bool) -> bool:
         return self.device_argmax == "on" or (self.device_argmax == "auto" and on_gpu)
 

@@ -24,7 +24,6 @@ from tandem import __version__
 from tandem.config import EngineSettings, graph_reuse, session_layout
 from tandem.errors import ContextOverflow, EngineFailure, InvalidArgument
 from tandem.models import resolve_model
-from tandem.step_padding import Padded, StepPadding, pad_items, slice_rows
 
 log = logging.getLogger(__name__)
 # llama.cpp logs through this logger (llama_cpp._logger); keep its chatter to errors unless asked for debug.
@@ -206,7 +205,6 @@ class Engine:
         # CPU default: a KV slice per session, so each session's numerics are independent of the others.
         cparams.kv_unified = settings.resolved_kv_unified(on_gpu=self.backend != "CPU")
         self.pack_steps = bool(cparams.kv_unified) and settings.pack_steps
-        self.padding = StepPadding() if settings.pad_steps else None
         cparams.no_perf = True
         self.device_argmax = settings.resolved_device_argmax(on_gpu=self.backend != "CPU")
         if self.device_argmax:  # a verify step wants k + 1 rows of one sequence; the default allows the sampler 1
@@ -381,22 +379,6 @@ class Engine:
                 raise ContextOverflow(
                     f"sequence of {item.start + len(item.tokens)} tokens exceeds the context size {self.n_ctx}"
                 )
-        padded = self._padded(items)
-        if padded is not None:
-            try:
-                rows = padded.rows(self._decode(padded.items, copy), slice_rows)
-            except ContextOverflow:  # no room for the padding's cells: the step as it is, from where it began
-                for item in items:
-                    self.truncate(item.seq_id, item.start)
-                self.padding.reset()
-                return self._decode(items, copy)
-            for item, padded_item in zip(items, padded.items, strict=True):  # the padding's KV cells
-                if len(padded_item.tokens) > len(item.tokens):
-                    self.truncate(item.seq_id, item.start + len(item.tokens))
-            return rows
-        return self._decode(items, copy)
-
-    def _decode(self, items: Sequence[DecodeItem], copy: bool) -> list[Rows]:
         out: list[list[Rows]] = [[] for _ in items]
         plan = self._plan(items)
         for part in plan:
@@ -405,18 +387,6 @@ class Engine:
             return out[0]
         empty = np.zeros((0, self.n_vocab), np.float32)
         return [_joined(parts) if parts else empty for parts in out]
-
-    def _padded(self, items: Sequence[DecodeItem]) -> Padded | None:
-        """`pad_steps`: the step's items padded to one token count (tandem.step_padding), where every one of them
-        reads only device argmaxes and has room; None: the step runs as it is."""
-        if self.padding is None or not items:
-            return None
-        if not all(item.tokens and (item.seq_id in self._argmax_chains or self.padding.logits_too) for item in items):
-            return None
-        length = self.padding.length_for([len(item.tokens) for item in items])
-        if length <= 1 or any(item.start + length > self.n_ctx for item in items):
-            return None
-        return pad_items(items, length)
 
     def _plan(self, items: Sequence[DecodeItem]) -> list[list[tuple[int, int, int]]]:
         """Cut the items into llama_decode calls of (item, first token, token count) parts.
