@@ -8,7 +8,8 @@ repetition, after one untimed prefill of each of the level's prompts (`warm`); a
 wall time of the c streams. With `--window-s W` each stream instead goes on through its prompts, round and round,
 until W seconds have passed, and a request counts with the share of its tokens that falls inside the window (its
 tokens taken as evenly spread over its time): every stream is busy for the whole window, so the tail where the
-last streams finish alone, and how long that tail happens to be, no longer weighs on a cell. Each sample also
+last streams finish alone, and how long that tail happens to be, no longer weighs on a cell; an untimed window comes
+first in each cell (`cell_plan`). Each sample also
 records the CPU seconds each process spent and the gateway's drafted and accepted tokens and target calls
 (concurrency.json, `samples`). The goal (issue 42): on / off >= 1 at every concurrency. Writes concurrency.json,
 concurrency.md and concurrency.png under --out.
@@ -70,6 +71,20 @@ def warm(url: str, workload: Workload, streams: int, per_stream: int) -> None:
     repetition it ran 20-45% slower than the same mode measured last (2026-12-06), biasing on / off upwards."""
     distinct = list(dict.fromkeys(p for stream in plan_prompts(workload, streams, per_stream) for p in stream))
     _stream(url, workload, distinct, 1, MODES["off"])
+
+
+def cell_plan(reps: int, window_s: float) -> list[tuple[str, bool]]:
+    """The windows of one cell in order: (mode, recorded). Repetitions alternate which mode goes first (off, on; on,
+    off; ...). With windows, an untimed window of speculation on comes first: the first window of a cell ran with
+    every stream's prefill at once and session slots not yet holding the level's prompts, and being `off`, it alone
+    paid for that. On one H200 (sessions 11-12, ten runs) the first `off` window of edits at 16 streams delivered 0.72
+    of the cell's last (0.92-0.94 in the other cells), on the 2-core CPU 0.49-0.54 (20 s of prefill-sized calls
+    against 2 s), and each cell's first repetition read on / off 1.23-1.64 where its second read 0.91-1.33: a bias
+    for speculation, which `warm`'s one-at-a-time prefills did not remove."""
+    plan = [("on", False)] if window_s > 0 else []
+    for rep in range(reps):
+        plan += [("off", True), ("on", True)] if rep % 2 == 0 else [("on", True), ("off", True)]
+    return plan
 
 
 def measure(
@@ -216,18 +231,19 @@ def main(args: argparse.Namespace) -> int:
                 warm(gateway.address, workload, c, args.per_stream)
                 details = []
                 cell = {"workload": workload.name, "concurrency": c, "samples": details}
-                for rep in range(args.reps):
-                    order = ("off", "on") if rep % 2 == 0 else ("on", "off")
-                    for name in order:
-                        before = snapshot(gateway.address, pids)
-                        tok_s = measure(
-                            gateway.address, workload, c, args.per_stream, args.max_tokens, MODES[name], args.window_s
-                        )
-                        after = snapshot(gateway.address, pids)
+                for name, recorded in cell_plan(args.reps, args.window_s):
+                    before = snapshot(gateway.address, pids)
+                    tok_s = measure(
+                        gateway.address, workload, c, args.per_stream, args.max_tokens, MODES[name], args.window_s
+                    )
+                    after = snapshot(gateway.address, pids)
+                    if recorded:
                         spent = over_sample(before, after)
                         samples[name].append(tok_s)
                         details.append({"mode": name, "tok_s": round(tok_s, 1), **spent})
                         print(f"{workload.name} c={c} {name}: {tok_s:.1f} tok/s {spent}", file=sys.stderr, flush=True)
+                    else:
+                        print(f"{workload.name} c={c} {name} (untimed): {tok_s:.1f} tok/s", file=sys.stderr, flush=True)
                 off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
                 row = {"workload": workload.name, "concurrency": c, "off_tok_s": round(off, 1)}
                 # Each repetition's own on / off (measured back to back): their spread is the cell's noise.

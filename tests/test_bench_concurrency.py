@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.concurrency import over_sample, read_metrics, tokens_in_window, write
+from bench.concurrency import cell_plan, over_sample, read_metrics, tokens_in_window, write
 
 
 def test_a_request_counts_with_the_share_of_its_time_inside_the_window() -> None:
@@ -110,3 +110,17 @@ def test_a_sample_keeps_the_prices_at_its_end_and_counts_the_rest_over_it() -> N
     spent = over_sample(before, read)
     assert spent["drafted"] == 4.0
     assert spent["price_round0_ms"] == round(read["price_round0_ms"], 3)
+
+
+def test_a_cell_opens_with_an_untimed_window_and_alternates_which_mode_goes_first() -> None:
+    """The first window of a cell pays for every stream's prefill at once: it is not recorded, so neither mode's
+    first sample carries that (the `off` sample did, and on / off read up to 1.6 where steady windows read 1.0-1.3)."""
+    assert cell_plan(2, window_s=3.0) == [("on", False), ("off", True), ("on", True), ("on", True), ("off", True)]
+    assert cell_plan(3, window_s=0.0) == [
+        ("off", True),
+        ("on", True),
+        ("on", True),
+        ("off", True),
+        ("off", True),
+        ("on", True),
+    ]
