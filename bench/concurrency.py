@@ -75,13 +75,15 @@ def warm(url: str, workload: Workload, streams: int, per_stream: int) -> None:
 
 def cell_plan(reps: int, window_s: float) -> list[tuple[str, bool]]:
     """The windows of one cell in order: (mode, recorded). Repetitions alternate which mode goes first (off, on; on,
-    off; ...). With windows, an untimed window of speculation on comes first: the first window of a cell ran with
+    off; ...). With windows, an untimed window of speculation off comes first: the first window of a cell ran with
     every stream's prefill at once and session slots not yet holding the level's prompts, and being `off`, it alone
     paid for that. On one H200 (sessions 11-12, ten runs) the first `off` window of edits at 16 streams delivered 0.72
     of the cell's last (0.92-0.94 in the other cells), on the 2-core CPU 0.49-0.54 (20 s of prefill-sized calls
     against 2 s), and each cell's first repetition read on / off 1.23-1.64 where its second read 0.91-1.33: a bias
-    for speculation, which `warm`'s one-at-a-time prefills did not remove."""
-    plan = [("on", False)] if window_s > 0 else []
+    for speculation, which `warm`'s one-at-a-time prefills did not remove. The untimed window is `off` so that the
+    gateway's prices learn from steady windows as before: after an untimed `on` window (prefills of every stream at
+    once on the 2-core CPU) no request drafted at all in the cells that followed (2026-12-07, session 12)."""
+    plan = [("off", False)] if window_s > 0 else []
     for rep in range(reps):
         plan += [("off", True), ("on", True)] if rep % 2 == 0 else [("on", True), ("off", True)]
     return plan

@@ -115,7 +115,7 @@ def test_a_sample_keeps_the_prices_at_its_end_and_counts_the_rest_over_it() -> N
 def test_a_cell_opens_with_an_untimed_window_and_alternates_which_mode_goes_first() -> None:
     """The first window of a cell pays for every stream's prefill at once: it is not recorded, so neither mode's
     first sample carries that (the `off` sample did, and on / off read up to 1.6 where steady windows read 1.0-1.3)."""
-    assert cell_plan(2, window_s=3.0) == [("on", False), ("off", True), ("on", True), ("on", True), ("off", True)]
+    assert cell_plan(2, window_s=3.0) == [("off", False), ("off", True), ("on", True), ("on", True), ("off", True)]
     assert cell_plan(3, window_s=0.0) == [
         ("off", True),
         ("on", True),
