@@ -584,3 +584,18 @@ def test_a_target_shared_with_another_gateway_prices_a_lone_request_as_loaded() 
     assert costs.loaded
     costs.observe_verify(1, 1, 10_000_000)  # the next step holds this session alone
     assert not costs.loaded and costs.batch() == 1.0
+
+
+def test_a_burst_does_not_price_lone_rounds() -> None:
+    """Rounds run beside other generations (a burst: each waited behind the others' prefill chunks, though its own
+    step carried it alone) do not set a lone round's overhead; a lone request after the burst prices its rounds with
+    none measured (0), drafts, and measures its own. Before, a 16-request burst left the lone overhead at 1.47 s."""
+    costs = costs_with(12.0, 4.5)
+    costs.overhead_ns = costs.overhead_alone_ns = None
+    for _ in range(20):
+        costs.observe_overhead(1.47e9, step_sequences=1, alone=False)
+    assert costs.lone_overhead_ns is None and costs.overhead_ns == pytest.approx(1.47e9)
+    assert costs.round_ns(4, priced_alone=True) == pytest.approx(costs.lone_step_ns(5), rel=1e-6)
+    costs.observe_overhead(3.6e6, step_sequences=1, alone=True)
+    assert costs.lone_overhead_ns == pytest.approx(3.6e6)
+    assert costs.round_ns(4, priced_alone=True) == pytest.approx(costs.lone_step_ns(5) + 3.6e6, rel=1e-6)

@@ -129,9 +129,14 @@ class CostModel:
             last = self.plain_token_ns
             self.plain_token_ns = ns if last is None else last + EMA * (ns - last)
 
-    def observe_overhead(self, ns: float, step_sequences: int = 1) -> None:
+    def observe_overhead(self, ns: float, step_sequences: int = 1, alone: bool = True) -> None:
+        """A round's wall time outside its forward passes. It counts as a lone round's only if its step carried this
+        session alone and the gateway ran no other generation beside it (`alone`): a step that carried one session
+        may still have waited behind other sessions' prefill chunks, which `step_sequences` does not count. After 16
+        requests at once on the 2-core CPU the lone overhead read 1.47 s (3.6 ms on a fresh stack), and lone requests
+        after the burst drafted 0-14 tokens where they had drafted 25-96 (2026-12-07, session 12)."""
         self.overhead_ns = ns if self.overhead_ns is None else self.overhead_ns + EMA * (ns - self.overhead_ns)
-        if step_sequences <= 1:
+        if step_sequences <= 1 and alone:
             last = self.overhead_alone_ns
             self.overhead_alone_ns = ns if last is None else last + EMA * (ns - last)
 
@@ -269,9 +274,10 @@ class CostModel:
 
     @property
     def lone_overhead_ns(self) -> float | None:
-        """A round's overhead as a lone round is priced: measured on rounds stepping alone, else on any (None: none
-        measured yet)."""
-        return self.overhead_alone_ns if self.overhead_alone_ns is not None else self.overhead_ns
+        """A round's overhead as a lone round is priced: measured on lone rounds only (None: none yet, priced as 0).
+        Falling back to the overhead of any round priced a lone request by rounds that waited behind other
+        generations' work, and with every draft priced out it never measured a lone round again (`observe_overhead`)."""
+        return self.overhead_alone_ns
 
     def _alone_round_ns(self, k: int, priced_alone: bool, line: tuple[float, float] | None) -> float | None:
         """`round_ns` alone, the line computed by the caller; the overhead measured alone (after a burst

@@ -270,7 +270,8 @@ class Context:
         self.costs.observe_verify(timing.step_tokens, timing.step_sequences, timing.forward_ns)
         if proposed:
             self.costs.observe_draft(proposed, draft_ns)
-        self.costs.observe_overhead(max(round_ns - timing.forward_ns - draft_ns, 0), timing.step_sequences)
+        overhead = max(round_ns - timing.forward_ns - draft_ns, 0)
+        self.costs.observe_overhead(overhead, timing.step_sequences, alone=self.costs.own_load() <= 1)
         if drafts:
             self.acceptance.observe(len(drafts), result.num_accepted)
         if self.metrics:
