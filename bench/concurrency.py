@@ -234,13 +234,12 @@ def main(args: argparse.Namespace) -> int:
                 details = []
                 cell = {"workload": workload.name, "concurrency": c, "samples": details}
                 for name, recorded in cell_plan(args.reps, args.window_s):
-                    before = snapshot(gateway.address, pids)
+                    before = snapshot(gateway.address, pids) if recorded else {}
                     tok_s = measure(
                         gateway.address, workload, c, args.per_stream, args.max_tokens, MODES[name], args.window_s
                     )
-                    after = snapshot(gateway.address, pids)
                     if recorded:
-                        spent = over_sample(before, after)
+                        spent = over_sample(before, snapshot(gateway.address, pids))
                         samples[name].append(tok_s)
                         details.append({"mode": name, "tok_s": round(tok_s, 1), **spent})
                         print(f"{workload.name} c={c} {name}: {tok_s:.1f} tok/s {spent}", file=sys.stderr, flush=True)

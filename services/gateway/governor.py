@@ -232,8 +232,7 @@ class LoadGovernor:
             # The two kinds by turns, drafts first: each epoch pairs with the one before it. Where the price sends
             # no drafts at this load, the allowed epochs are recorded as plain and drafting stays allowed: no pair,
             # and the price decides.
-            last = self._last.get(level)
-            self._allow = last is None or not last[0]
+            self._allow = self._other_kind(level)
             return
         lead = math.exp(self.ratios[level].log_ratio) - 1.0
         said = self._said.get(level)
@@ -247,8 +246,13 @@ class LoadGovernor:
                 " without (%d pairs)",
                 level_name(level), "goes on" if best else "stops", 1.0 + lead, self.ratios[level].pairs,
             )  # fmt: skip
-        if self._doubts.get(level):  # a pair doubted the verdict: the other kind than the last epoch's, for a pair
-            last = self._last.get(level)
-            self._allow = last is None or not last[0]
+        if self._doubts.get(level):  # a pair doubted the verdict: by turns again, as while learning
+            self._allow = self._other_kind(level)
             return
         self._allow = best if n % EXPLORE_EVERY else not best
+
+    def _other_kind(self, level: int) -> bool:
+        """Whether the next epoch at `level` drafts, taking turns: the other kind than its last epoch's (drafts first),
+        so that the two make a pair."""
+        last = self._last.get(level)
+        return last is None or not last[0]
