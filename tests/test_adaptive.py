@@ -451,7 +451,7 @@ def loaded_costs(sessions: int, fixed_ms: float = 12.0, per_token_ms: float = 4.
     for extra in (0, 3, 1, 4, 2) * 6:  # plain steps with now and then one session's draft in them
         tokens = sessions + extra
         costs.observe_verify(tokens, sessions, int((fixed_ms + per_token_ms * tokens) * 1e6))
-        costs.observe_overhead(25e6, step_sequences=sessions)  # a loaded round's wall: mostly waiting for the step
+        costs.observe_overhead(25e6, step_sequences=sessions)  # beside other sessions' rounds: not a lone one
     costs.observe_plain_token((fixed_ms + per_token_ms * sessions) * 1e6)  # between answers: the whole step
     return costs
 
@@ -584,6 +584,18 @@ def test_a_target_shared_with_another_gateway_prices_a_lone_request_as_loaded() 
     assert costs.loaded
     costs.observe_verify(1, 1, 10_000_000)  # the next step holds this session alone
     assert not costs.loaded and costs.batch() == 1.0
+
+
+def test_a_loaded_round_with_no_lone_one_measured_is_priced_at_its_own_overhead() -> None:
+    """A deployment loaded from its start has measured no lone round; its rounds' overhead, less their wait at the
+    target (Timing.queue_ns), is then the price's, whole: it was divided by the batch while it held the wait."""
+    costs = loaded_costs(8)
+    costs.overhead_alone_ns = None
+    costs.overhead_ns = 3e6
+    margin = costs_module.LOADED_DRAFT_MARGIN
+    assert costs.round_ns(3, priced_alone=True) == pytest.approx((1.5 + 4.5 * 4 + 3.0) * margin * 1e6, rel=0.02)
+    costs.overhead_alone_ns = 2e6  # a lone round measured since: its overhead prices rounds under load too
+    assert costs.round_ns(3, priced_alone=True) == pytest.approx((1.5 + 4.5 * 4 + 2.0) * margin * 1e6, rel=0.02)
 
 
 def test_a_burst_does_not_price_lone_rounds() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 
 import grpc
@@ -171,6 +172,32 @@ def test_open_verify_greedy_matches_plain_decoding(target_channel: grpc.Channel)
     assert r.position == len(prompt) + 1 + 4
     assert reply.timing.forward_ns > 0 and reply.timing.total_ns >= reply.timing.forward_ns
     stub.Close(pb.CloseRequest(session_ids=[sid2]))
+
+
+def test_a_verify_call_reports_its_wait_behind_other_sessions_work(target_channel: grpc.Channel) -> None:
+    """Timing.queue_ns: a Verify sent while another session's long prompt is being prefilled waits for a prefill
+    chunk before its step begins, and says so; the gateway leaves that wait out of a round's overhead."""
+    stub = pb_grpc.TargetStub(target_channel)
+    sid, other = _sid(), _sid()
+    prompt = _prompt(stub)
+    pos = stub.Open(pb.OpenRequest(items=[pb.OpenItem(session_id=sid, prompt_token_ids=prompt, sampling=GREEDY)]))
+    pos = pos.results[0].position
+    alone = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos)]))
+    pos = alone.results[0].position
+    long_prompt = _prompt(stub, "Tell me about the sea and the ships on it. " * 120)[:1500]
+    prefill = stub.Open.future(
+        pb.OpenRequest(items=[pb.OpenItem(session_id=other, prompt_token_ids=long_prompt, sampling=GREEDY)])
+    )
+    try:
+        time.sleep(0.05)  # the first of three chunks of 512 tokens is under way (1.3-2 s each on the 2-core CPU)
+        waited = stub.Verify(pb.VerifyRequest(items=[pb.VerifyItem(session_id=sid, position=pos)]))
+        assert not prefill.done(), "the prefill ended before the verify call: the call did not wait behind it"
+        prefill.result()
+    finally:
+        stub.Close(pb.CloseRequest(session_ids=[sid, other]))
+    for reply in (alone, waited):
+        assert reply.timing.queue_ns + reply.timing.forward_ns <= reply.timing.total_ns
+    assert waited.timing.queue_ns > 10_000_000 > alone.timing.queue_ns, (alone.timing, waited.timing)
 
 
 def test_rejected_draft_rolls_back_kv(target_channel: grpc.Channel) -> None:

@@ -130,11 +130,11 @@ class CostModel:
             self.plain_token_ns = ns if last is None else last + EMA * (ns - last)
 
     def observe_overhead(self, ns: float, step_sequences: int = 1, alone: bool = True) -> None:
-        """A round's wall time outside its forward passes. It counts as a lone round's only if its step carried this
-        session alone and the gateway ran no other generation beside it (`alone`): a step that carried one session
-        may still have waited behind other sessions' prefill chunks, which `step_sequences` does not count. After 16
-        requests at once on the 2-core CPU the lone overhead read 1.47 s (3.6 ms on a fresh stack), and lone requests
-        after the burst drafted 0-14 tokens where they had drafted 25-96 (2026-12-07, session 12)."""
+        """A round's wall time outside its forward passes and its wait at the target (`Timing.queue_ns`, 0 from a
+        service that does not report it). It counts as a lone round's only if its step carried this session alone and
+        the gateway ran no other generation beside it (`alone`): other generations share the gateway's event loop
+        too. After 16 requests at once on the 2-core CPU the lone overhead read 1.47 s (3.6 ms on a fresh stack) before
+        either rule, and lone requests after the burst drafted 0-14 tokens where they had drafted 25-96 (2026-12-07)."""
         self.overhead_ns = ns if self.overhead_ns is None else self.overhead_ns + EMA * (ns - self.overhead_ns)
         if step_sequences <= 1 and alone:
             last = self.overhead_alone_ns
@@ -316,10 +316,11 @@ class CostModel:
             return None
         fixed, per_token = line
         part = fixed / self.sequences
-        if self.overhead_alone_ns is not None:
-            overhead = self.overhead_alone_ns
-        else:
-            overhead = (self.overhead_ns or 0.0) / self.sequences
+        # A lone round's overhead where one was measured, else that of any round: both leave out the wait at the
+        # target (Timing.queue_ns). Before the target reported it, a round's wall time under load held the other
+        # sessions' steps and prefills (11.6 ms after 16 edit requests at once on the 2-core CPU, 2.9 ms without the
+        # wait, 1.9-2.5 ms alone), and this fallback divided it by the batch as a guess.
+        overhead = self.overhead_alone_ns if self.overhead_alone_ns is not None else (self.overhead_ns or 0.0)
         ask_governor = governed and self.running is not None
         if ask_governor and not self.governor.allows_drafting(self.target_load(), self.own_load()):
             return [part + per_token, *[math.inf] * max_k]  # measured: drafts at this load delivered less

@@ -88,12 +88,17 @@ class GatewayMetrics:
             "measured time of a round outside the forward passes (stepping alone where measured)",
             registry=r,
         )
+        self.price_overhead_all = Gauge(
+            "tandem_price_round_overhead_all_seconds",
+            "measured time of a round outside the forward passes and its wait at the target, over every round",
+            registry=r,
+        )
         self.price_sequences = Gauge(
             "tandem_price_step_sequences",
             "mean sessions per target step (from 1.5 rounds are priced as a share of a batched step)",
             registry=r,
         )
-        for unknown in (self.price_plain_token, self.price_overhead, self.price_sequences):
+        for unknown in (self.price_plain_token, self.price_overhead, self.price_overhead_all, self.price_sequences):
             unknown.set(math.nan)  # until measured (Prometheus's NaN: no value yet), not a price of 0
         self.governor_allows = Gauge(
             "tandem_load_governor_allows_drafts", "1 while the load governor's current epoch allows drafts", registry=r
@@ -211,6 +216,7 @@ class GatewayMetrics:
         self.price_sequences.set(costs.sequences)
         overhead = costs.lone_overhead_ns
         self.price_overhead.set(overhead / 1e9 if overhead is not None else math.nan)
+        self.price_overhead_all.set(costs.overhead_ns / 1e9 if costs.overhead_ns is not None else math.nan)
         self.governor_allows.set(1 if costs.governor.allowing else 0)
         rounds = costs.round_costs(min(max_draft, PRICED_DRAFTS_SHOWN), priced_alone=True, governed=False)
         if rounds is None:

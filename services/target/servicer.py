@@ -74,6 +74,7 @@ class _PlainRun:
         self.plain_steps = 0
         self.step_tokens = 0
         self.step_sequences = 0
+        self.started_ns = 0  # when the call's first step began (its queue time ends there)
 
     def first(self) -> list[VerifySpec]:
         return [dataclasses.replace(spec, chain=chain) for spec, chain in zip(self.specs, self.chains, strict=True)]
@@ -93,6 +94,7 @@ class _PlainRun:
         if outcome:
             step = outcome[0].step
             self.forward_ns += step.forward_ns
+            self.started_ns = self.started_ns or step.started_ns
             if all(len(self.results[i].lookup_rounds) == n for i, n in zip(self.going, before, strict=True)):
                 self.plain_steps += 1
                 self.step_tokens += step.tokens
@@ -191,6 +193,8 @@ class TargetServicer(pb_grpc.TargetServicer):
         if step is not None:
             timing.step_sequences, timing.step_tokens = step.sequences, step.tokens
             timing.forward_ns = step.forward_ns
+            if step.started_ns:
+                timing.queue_ns = max(step.started_ns - t0, 0)
         return timing
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
@@ -296,7 +300,7 @@ class TargetServicer(pb_grpc.TargetServicer):
             # (the last step's shape against the mean time was not, once other sessions joined some of the steps).
             # forward_ns counts every step, lookup rounds too (they report their own steps).
             n = max(run.plain_steps, 1)
-            shape = StepShape(round(run.step_sequences / n), round(run.step_tokens / n), run.forward_ns)
+            shape = StepShape(round(run.step_sequences / n), round(run.step_tokens / n), run.forward_ns, run.started_ns)
             timing = self._timing(t0, f0, shape)
             timing.steps = run.steps
         else:
@@ -305,6 +309,7 @@ class TargetServicer(pb_grpc.TargetServicer):
             timing.steps = 1
         timing.mask_ns = max(v.grammar_ns([spec.session_id for spec in specs]) - masks0, 0)
         timing.translate_ns = translate_ns
+        timing.queue_ns = max(timing.queue_ns - translate_ns, 0)  # translating came first, and is not a wait
         return pb.VerifyResponse(
             results=[
                 pb.VerifyResult(

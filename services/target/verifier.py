@@ -9,6 +9,7 @@ and rolls the KV cache back past the first rejected draft token.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,7 @@ class StepShape:
     sequences: int = 0
     tokens: int = 0
     forward_ns: int = 0  # the step's time inside llama_decode
+    started_ns: int = 0  # time.perf_counter_ns() when the step began: a call's wait before it is its queue time
 
 
 @dataclass(frozen=True)
@@ -287,6 +289,7 @@ class Verifier:
         Each group (one call) is validated as a whole before any compute. A group naming a session that an earlier
         group of this step already verifies is deferred to the next step, where an exact retry hits the cache.
         """
+        started = time.perf_counter_ns()
         outcomes, work = plan_step(groups, self._check_group)
         forward0 = self.engine.forward_ns
         try:
@@ -295,7 +298,10 @@ class Verifier:
             failed = {g for g, _ in work}
             return [exc if g in failed else o for g, o in enumerate(outcomes)]
         step = StepShape(
-            len(work), sum(len(spec.draft_tokens) + 1 for _, (_, spec) in work), self.engine.forward_ns - forward0
+            len(work),
+            sum(len(spec.draft_tokens) + 1 for _, (_, spec) in work),
+            self.engine.forward_ns - forward0,
+            started,
         )
         for (g, (session, spec)), rows in zip(work, all_rows, strict=True):
             result = self._accept(session, spec, rows, step)

@@ -270,7 +270,8 @@ class Context:
         self.costs.observe_verify(timing.step_tokens, timing.step_sequences, timing.forward_ns)
         if proposed:
             self.costs.observe_draft(proposed, draft_ns)
-        overhead = max(round_ns - timing.forward_ns - draft_ns, 0)
+        # The wait at the target for other sessions' steps is not the round's: a plain token waits alike (queue_ns).
+        overhead = max(round_ns - timing.forward_ns - draft_ns - timing.queue_ns, 0)
         self.costs.observe_overhead(overhead, timing.step_sequences, alone=self.costs.own_load() <= 1)
         if drafts:
             self.acceptance.observe(len(drafts), result.num_accepted)

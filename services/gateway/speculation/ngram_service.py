@@ -129,5 +129,6 @@ class NgramService(LookupStrategy):
             step_sequences=own.step_sequences,
             step_tokens=own.step_tokens,
             steps=1,
+            queue_ns=timing.queue_ns,  # the round is the call's first step: the call's wait came before it
         )
         return round_result, round_timing, went_on, plain_ns
