@@ -95,13 +95,18 @@ class EngineSettings(BaseSettings):
         description="greedy sessions' argmax by llama.cpp's backend sampler, no logits copied; auto: on a GPU",
     )
 
-    # One llama_decode call a step however many draft lengths it holds (one KV buffer only): off by default, since on
-    # an H100 the target crashed with a CUDA error under load in 2 of 11 runs of the stock build with it (none in the
-    # runs without it), though it is what makes speculation pay there under load (docs/decisions/0022). On a GPU it
-    # runs with llama.cpp's graph reuse off (`graph_reuse`), the suspect of the crash.
-    pack_steps: bool = Field(
-        False, description="with one KV buffer, decode a step's sequences of unequal lengths in one call (experimental)"
+    # One llama_decode call a step however many draft lengths it holds (one KV buffer only). auto: on a GPU, where a
+    # call whose layout changed from the one before costs a CUDA graph capture, and packing led one call per length in
+    # every cell of every lease under load (docs/decisions/0022). It runs there with llama.cpp's graph reuse off
+    # (`graph_reuse`): with reuse on it crashed CUDA in 2 of 8 runs, without it in none of 9. Off on the CPU, where
+    # one call per length costs nothing more and each length keeps its own numerics.
+    pack_steps: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="with one KV buffer, decode a step's sequences of unequal lengths in one call; auto: on a GPU",
     )
+
+    def resolved_pack_steps(self, on_gpu: bool) -> bool:
+        return self.pack_steps == "on" or (self.pack_steps == "auto" and on_gpu)
 
     def resolved_device_argmax(self, on_gpu: bool) -> bool:
         return self.device_argmax == "on" or (self.device_argmax == "auto" and on_gpu)

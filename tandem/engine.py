@@ -204,7 +204,7 @@ class Engine:
         cparams.type_v = _GGML_TYPES[settings.cache_type_v]
         # CPU default: a KV slice per session, so each session's numerics are independent of the others.
         cparams.kv_unified = settings.resolved_kv_unified(on_gpu=self.backend != "CPU")
-        self.pack_steps = bool(cparams.kv_unified) and settings.pack_steps
+        self.pack_steps = bool(cparams.kv_unified) and settings.resolved_pack_steps(on_gpu=self.backend != "CPU")
         cparams.no_perf = True
         self.device_argmax = settings.resolved_device_argmax(on_gpu=self.backend != "CPU")
         if self.device_argmax:  # a verify step wants k + 1 rows of one sequence; the default allows the sampler 1
@@ -396,8 +396,7 @@ class Engine:
         to ~1.2 on SmolLM2, measured; equal counts are bit-identical to decoding alone). So items are grouped by
         length, each group packed into calls of at most n_batch tokens, and an item longer than n_batch goes alone,
         in chunks. With one KV buffer (`kv_unified`, the GPU default) llama.cpp takes any mix of lengths in one
-        ubatch, and `pack_steps` makes a step one call (decision 0021); off by default: it crashed CUDA under load
-        for no measured gain (0022).
+        ubatch, and `pack_steps` makes a step one call (decision 0021): the GPU default, with graph reuse off (0022).
         """
         if len(items) == 1 and 0 < len(items[0].tokens) <= self.n_batch:
             return [[(0, 0, len(items[0].tokens))]]

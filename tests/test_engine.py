@@ -27,7 +27,7 @@ def engine() -> Engine:
 def unified_engine() -> Engine:
     """One KV buffer for all sessions and flash attention, as on a GPU by default, with steps packed into one call."""
     settings = EngineSettings(
-        n_threads=1, max_sessions=4, n_ctx=8192, n_batch=64, kv_unified="on", flash_attn="on", pack_steps=True
+        n_threads=1, max_sessions=4, n_ctx=8192, n_batch=64, kv_unified="on", flash_attn="on", pack_steps="on"
     )
     eng = Engine(settings)
     yield eng
@@ -67,7 +67,7 @@ def test_one_kv_buffer_takes_unequal_drafts_in_one_call(unified_engine: Engine) 
     (a call per length changes the step's size call after call, which costs on CUDA), and each sequence's rows
     equal decoding it alone, bit for bit. (With flash attention off this CPU build rounds a batch differently from
     one sequence, packed or grouped by length alike: up to 0.71 apart, measured; that is test_batch_rows' subject.)
-    Without `pack_steps`, the default since it crashed CUDA under load (decision 0021), a step goes by length."""
+    Without `pack_steps`, the CPU default, a step goes by length."""
     engine = unified_engine
     mixed = [DecodeItem(seq, [100] * n, 0, "all") for seq, n in enumerate([1, 9, 2, 5])]
     assert len(engine._plan(mixed)) == 1
@@ -142,12 +142,13 @@ def test_packed_steps_give_the_same_rows_with_graph_reuse_on_and_off(
 
 
 def test_steps_go_by_length_unless_packing_is_asked_for(engine: Engine) -> None:
-    """Packing is off by default (it crashed CUDA under load, decision 0022), and asking for it without one KV buffer
+    """Packing is off by default on the CPU (on a GPU it is on, decision 0022), and asking for it without one KV buffer
     packs nothing: with a slice per sequence unequal counts in one call give wrong logits. The groups keep the order
     of their first item, each in seq_id order, as before packing existed."""
-    assert EngineSettings().pack_steps is False
+    assert EngineSettings().pack_steps == "auto"  # on a GPU only
+    assert not EngineSettings().resolved_pack_steps(on_gpu=False) and EngineSettings().resolved_pack_steps(on_gpu=True)
     assert engine.pack_steps is False
-    sliced = Engine(EngineSettings(n_threads=1, max_sessions=2, n_ctx=512, kv_unified="off", pack_steps=True))
+    sliced = Engine(EngineSettings(n_threads=1, max_sessions=2, n_ctx=512, kv_unified="off", pack_steps="on"))
     try:
         assert sliced.pack_steps is False
     finally:

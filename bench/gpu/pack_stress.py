@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = EngineSettings(
         model=args.model, n_gpu_layers=args.n_gpu_layers, max_sessions=args.sessions, n_ctx=args.sessions * 2048,
         device_argmax=args.device_argmax, flash_attn=args.flash_attn, kv_unified="on",
-        pack_steps=args.pack and not args.reuse,
+        pack_steps="on" if args.pack and not args.reuse else "off",
     )  # fmt: skip
     prepare_process(settings)
     engine = Engine(settings)

@@ -182,11 +182,11 @@ shape)
     2>/dev/null | tee -a "$OUT/shape.md"
   ;;
 shapes-ab)
-  # The default against --pack-steps in one call (decision 0022; session 12 also ran the retired --pad-steps here):
+  # One call per length against --pack-steps (the GPU default since session 13) in one call (decision 0022):
   # the concurrency benchmark, each on a fresh stack, after `build` (carry .gpu/model.part-ab .gpu/model.part-ac
   # tandem/v1). LEVELS (default 1,4,16) and WORKLOADS (edit,chat,json) set the matrix: about 170 s a variant at the
   # defaults. Logs tarred into $OUT/logs.tgz.
-  for v in "default|" "pack|--pack-steps"; do
+  for v in "bylength|--pack-steps off" "pack|--pack-steps on"; do
     TARGET_EXTRA="--flash-attn off ${v#*|}" LABEL=${v%%|*} BENCH_ARGS="--concurrency ${LEVELS:-1,4,16} \
       --workloads ${WORKLOADS:-edit,chat,json} --reps 2 --per-stream 4 --window-s 3" bash "$0" concurrency 2>&1 \
       | grep "^| [a-z]\|stopped" | head -24
