@@ -61,6 +61,15 @@ class EngineSettings(BaseSettings):
         32768, ge=64, description="KV cells of the whole context, split evenly between the session slots"
     )
     n_batch: int = Field(512, ge=16, description="largest batch given to one llama_decode call")
+    # A prompt is prefilled in chunks of n_batch tokens, and other sessions' steps run between chunks. Where a chunk
+    # takes seconds (a CPU draft: ~1.5 s for 512 tokens of SmolLM2 on the 2-core CPU) every running stream waits that
+    # long for each; with this budget, while other sessions step, chunks are cut to what the measured prefill speed
+    # does in it. Off (0) on the target, whose prefill chunking then never depends on load: a chunk's size moves
+    # logits by an ulp, and the target's text must not depend on what else runs. The draft's default is in
+    # DraftSettings.
+    prefill_chunk_ms: float = Field(
+        0.0, ge=0, description="while other sessions step, prefill chunks of about this long (0 = n_batch tokens)"
+    )
     # Unset: a session may use the model's whole training context (as llama-server serves it), so the slots are as
     # many as --n-ctx holds at that size (SmolLM2's 8k: 4 in 32k cells; Gemma 3's 32k: 1). Set it for more, shorter
     # slots; a slot never gets more than the training context.
@@ -297,6 +306,10 @@ class DraftSettings(ServiceSettings):
     )
     draft_support: int = Field(
         256, ge=1, le=4096, description="model drafter, sampling: tokens kept in the draft distribution it sends"
+    )
+    # A draft's numerics decide only what it proposes, never the text: its prefill may follow the load.
+    prefill_chunk_ms: float = Field(
+        50.0, ge=0, description="while other sessions step, prefill chunks of about this long (0 = n_batch tokens)"
     )
 
 

@@ -40,6 +40,9 @@ _GGML_TYPES = {
     "bf16": 30,
 }
 _FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+# Prefill chunks of fewer tokens are not timed (a prompt's tail), nor cut below it under load.
+PREFILL_MEASURED_FROM = 32
+OTHERS_STEPPING_NS = 200_000_000  # before a prefill's first chunk, a decode (no prefill) this recent: others step
 _SPLIT_MODE = {"none": 0, "layer": 1, "row": 2}
 
 _backend_ready = False
@@ -250,6 +253,12 @@ class Engine:
         # llama_decode calls; those whose batch layout changed from the call before, and their time (Load.reshaped_*)
         self.decode_calls = self.reshaped_calls = self.reshaped_ns = 0
         self._last_layout: tuple = ()
+        # Prefill chunks while other sessions step (EngineSettings.prefill_chunk_ms): the budget, the measured prefill
+        # time a token, and when a decode that was no prefill chunk last ran.
+        self.prefill_chunk_ns = settings.prefill_chunk_ms * 1e6
+        self.prefill_token_ns: float | None = None
+        self._in_prefill = False
+        self._other_step_at = -(10**18)
         if self.device_argmax:
             self._probe_device_argmax()
         log.info(
@@ -460,6 +469,8 @@ class Engine:
         spent = time.perf_counter_ns() - t0
         self.forward_ns += spent
         self.decode_calls += 1
+        if not self._in_prefill:
+            self._other_step_at = time.monotonic_ns()
         if layout != self._last_layout:  # on CUDA such a call runs without a replayed graph (decision 0022)
             self.reshaped_calls += 1
             self.reshaped_ns += spent
@@ -524,9 +535,15 @@ class Engine:
         done = [0] * len(items)
         out: list[Rows] = [np.zeros((0, self.n_vocab), np.float32) for _ in items]
         first = True
+        last_chunk_end = time.monotonic_ns() - OTHERS_STEPPING_NS  # for the first chunk: a step this recently
         while True:
+            if all(done[i] >= len(item.tokens) for i, item in enumerate(items)):
+                return out
+            if not first:
+                yield  # other sessions' steps run here, and the next chunk's size depends on whether any did
+            first = False
             chunk: list[tuple[int, DecodeItem]] = []
-            room = self.n_batch
+            room = self.prefill_chunk(others_since=last_chunk_end)
             for i, item in enumerate(items):
                 left = len(item.tokens) - done[i]
                 if left <= 0 or room <= 0:
@@ -538,16 +555,34 @@ class Engine:
                     (i, DecodeItem(item.seq_id, item.tokens[done[i] : done[i] + n], item.start + done[i], logits))
                 )
                 room -= n
-            if not chunk:
-                return out
-            if not first:
-                yield
-            first = False
-            rows = self.decode([c for _, c in chunk])
+            f0, self._in_prefill = self.forward_ns, True
+            try:
+                rows = self.decode([c for _, c in chunk])
+            finally:
+                self._in_prefill = False
+                last_chunk_end = time.monotonic_ns()
+            tokens = sum(len(c.tokens) for _, c in chunk)
+            if tokens >= PREFILL_MEASURED_FROM:
+                per_token = (self.forward_ns - f0) / tokens
+                last = self.prefill_token_ns
+                self.prefill_token_ns = per_token if last is None else last + 0.3 * (per_token - last)
             for (i, c), r in zip(chunk, rows, strict=True):
                 done[i] += len(c.tokens)
                 if len(r):
                     out[i] = _joined([out[i], r]) if items[i].logits == "all" and len(out[i]) else r
+
+    def prefill_chunk(self, others_since: int) -> int:
+        """Tokens in the next prefill chunk: n_batch, or, if other sessions stepped since `others_since` (monotonic
+        ns: the prefill's last chunk, or OTHERS_STEPPING_NS before its first), what the measured prefill speed does in
+        `prefill_chunk_ns`, at least PREFILL_MEASURED_FROM (twice that before any chunk was timed). Asking whether
+        others stepped between this prefill's chunks, not whether any did lately, keeps a prompt sent right after
+        another request ended in whole chunks."""
+        if not self.prefill_chunk_ns or self._other_step_at <= others_since:
+            return self.n_batch
+        if self.prefill_token_ns is None:  # no prefill timed yet: a short chunk times one
+            return min(self.n_batch, 2 * PREFILL_MEASURED_FROM)
+        fits = int(self.prefill_chunk_ns / max(self.prefill_token_ns, 1.0))
+        return max(PREFILL_MEASURED_FROM, min(self.n_batch, fits))
 
     def close(self) -> None:
         if getattr(self, "_ctx", None):

@@ -56,9 +56,11 @@ def test_concurrent_requests_share_steps_and_keep_their_text(gateway: Service, t
 
 def test_model_draft_batches_proposals(model_gateway: Service, model_draft: Service) -> None:
     before = _info(model_draft.address, pb_grpc.DraftStub)
-    replies = _concurrent(model_gateway, **{"speculative.n_max": 4, "speculative.adaptive": False})
+    replies = _concurrent(model_gateway, max_tokens=128, **{"speculative.n_max": 4, "speculative.adaptive": False})
     after = _info(model_draft.address, pb_grpc.DraftStub)
-    assert all(r["timings"]["draft_n"] > 0 for r in replies)
+    # Four Opens queue at the draft, and a request decodes without its draft until it has opened and caught up: a
+    # short answer (24-33 tokens here) may end first. Batching proposals needs two sessions drafting together.
+    assert sum(1 for r in replies if r["timings"]["draft_n"] > 0) >= 2
     assert after.load.batched_calls > before.load.batched_calls
     assert after.load.max_step_calls >= 2
 

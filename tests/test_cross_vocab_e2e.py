@@ -188,6 +188,9 @@ def test_text_beyond_the_drafts_context_goes_on_target_only(gemma_drafted_by_smo
     assert too_long["timings"]["speculation"] == "draft_context" and too_long["timings"]["draft_n"] == 0
     assert too_long["timings"]["predicted_n"] == 16
     prompt = sentence * 70  # ~980 tokens: the draft fills up within the answer
+    # The draft prefills the prompt once (a request decodes on without a draft that is not ready; the next one finds
+    # the prompt in the draft's cache and drafts from its first round).
+    _completion(gateway, prompt, 1, 4)
     outgrown = _completion(gateway, prompt, 96, 4)
     assert outgrown["timings"]["speculation"] == "draft_context" and outgrown["timings"]["draft_n"] > 0
     assert outgrown["timings"]["predicted_n"] == 96

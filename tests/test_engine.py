@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import tandem.engine as engine_module  # isort: skip  (llama_cpp before numpy)
 import llama_cpp  # isort: skip
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from tandem.config import EngineSettings, graph_reuse
-from tandem.engine import DecodeItem, Engine
+from tandem.engine import OTHERS_STEPPING_NS, DecodeItem, Engine
 
 
 @pytest.fixture(scope="module")
@@ -268,3 +269,48 @@ def test_batch_rows_against_one_token_rows(flash_attn: str) -> None:
         assert all(d == 0.0 for d in differences.values()), differences
     else:
         assert any(d > 0.0 for d in differences.values()), differences
+
+
+def test_prefill_chunks_shrink_only_while_other_sessions_step(engine: Engine) -> None:
+    """With a chunk budget (a draft's default), a prompt goes in n_batch chunks when nothing else steps, and in
+    chunks the budget allows (here the floor of 32 tokens) while another sequence decodes between them; a prompt that
+    follows a finished one shrinks only its first chunk. The rows come out the same (a prefill reads the last row)."""
+    prompt = engine.tokenize("The history of the lighthouse and the keepers who lived in it. " * 25)[:300]
+    other = engine.tokenize("Write a haiku.")
+
+    def prefill(interleave: bool) -> tuple[int, np.ndarray]:
+        engine.clear(0)
+        calls = engine.decode_calls
+        steps = engine.prefill_steps([DecodeItem(0, prompt, 0, "last")])
+        position = len(other)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                rows = stop.value
+                break
+            if interleave:  # another session's step runs between the chunks, as the scheduler runs pending calls
+                engine.decode([DecodeItem(1, [other[-1]], position, "none")])
+                position += 1
+        own = engine.decode_calls - calls - (position - len(other))
+        return own, rows[0][-1]
+
+    engine.clear(1)
+    engine.decode([DecodeItem(1, other, 0, "none")])
+    budget = engine.prefill_chunk_ns
+    try:
+        engine.prefill_chunk_ns = 0
+        _, reference = prefill(interleave=False)
+        engine.prefill_chunk_ns = 1  # smaller than any chunk: the floor
+        time.sleep(OTHERS_STEPPING_NS / 1e9)  # the last step of the other sequence is not recent
+        assert prefill(interleave=False)[0] == 5  # 300 tokens in chunks of 64: nobody else stepped
+        calls, row = prefill(interleave=True)
+        assert calls == 1 + 8  # 64 (nothing stepped lately), then 236 tokens in chunks of 32 as the other steps
+        np.testing.assert_allclose(row, reference, atol=1e-3)
+        engine.clear(1)
+        engine.decode([DecodeItem(1, other, 0, "none")])  # a step that just ended, as a finished request's last
+        assert prefill(interleave=False)[0] == 1 + 5  # one chunk of 32, then 268 tokens in chunks of 64
+    finally:
+        engine.prefill_chunk_ns = budget
+        engine.clear(0)
+        engine.clear(1)

@@ -263,6 +263,40 @@ def test_same_seed_same_output_with_speculation(model_gateway: Service) -> None:
 
 
 @pytest.fixture(scope="module")
+def slow_draft_gateway(service_tmp: Path) -> Iterator[Service]:
+    """A draft slower to open than the target, for real: the target reuses a prompt's cached cells (prefix cache on),
+    the draft prefills every prompt (off), as a CPU draft beside a GPU target prefills more slowly. Sequential
+    verification, so that the text must equal target-only decoding exactly."""
+    from tests.conftest import THREADS
+
+    common = ["--n-threads", THREADS, "--max-sessions", "4", "--n-ctx", "8192"]
+    target = start_model_service("services.target", ["--verify-mode", "sequential", *common], service_tmp)
+    draft = start_model_service("services.draft", ["--drafter", "model", *common, "--no-prefix-cache"], service_tmp)
+    gateway = start_gateway(target.address, draft.address, service_tmp)
+    yield gateway
+    for service in (gateway, draft, target):
+        service.stop()
+
+
+def test_a_request_decodes_while_the_draft_opens(slow_draft_gateway: Service) -> None:
+    """The target answers the first token at once (its prompt is cached) while the draft still prefills ~350 tokens:
+    the request decodes target-only meanwhile and while the draft learns those tokens in a Propose of its own, then
+    drafts, with the text exactly as target-only decoding gives it. Before, it waited for the draft's Open after its
+    first token, and its first round for the draft to learn them."""
+    prompt = "Here are six requests; answer only the last one.\n\n" + "\n\n".join(PROMPTS[:6] * 2) + "\n\n" + PROMPTS[7]
+    _chat(slow_draft_gateway, prompt, n_max=0)  # the target caches the prompt's cells; the draft never sees it
+    plain = _chat(slow_draft_gateway, prompt, n_max=0, max_tokens=384)
+    spec = _chat(slow_draft_gateway, prompt, n_max=N_MAX, max_tokens=384)
+    t = spec["timings"]
+    print(f"\nprompt {t['prompt_n']} tokens: {t['tokens_before_draft']} decoded before the draft could draft, then "
+          f"{t['draft_n_accepted']} of {t['draft_n']} drafts accepted")  # fmt: skip
+    assert t["tokens_before_draft"] > 0, t
+    assert t["draft_n"] > 0 and t["draft_n_accepted"] > 0, t
+    assert spec["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert [x["logprob"] for x in _tokens(spec)] == [x["logprob"] for x in _tokens(plain)]
+
+
+@pytest.fixture(scope="module")
 def exact_local_gateway(exact_target: Service, service_tmp: Path) -> Iterator[Service]:
     """Prompt lookup inside the gateway: no draft service at all."""
     service = start_gateway(exact_target.address, None, service_tmp, "--local-ngram")

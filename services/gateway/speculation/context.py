@@ -78,6 +78,7 @@ class Context:
         self.pos = Positions(draft=len(request.prompt_token_ids))
         self.drafting = False  # a drafter is in use; False once it failed or cannot pay
         self.draft_opening: asyncio.Future | None = None  # the draft's Open, finishing after the first token
+        self.catching_up: asyncio.Future | None = None  # a Propose that only brings the draft up to date
         self.draft_open = False
         self.last_propose_ns = 0
         self.plain_done: int | None = None  # when the last pipelined target-only call answered
@@ -125,6 +126,19 @@ class Context:
         )
         self.drafting = False
         self.stats.speculation = "stopped"
+
+    def draft_pending(self) -> bool:
+        """Whether the draft is not ready to draft: still prefilling this request's prompt (its Open has not
+        answered), or learning the tokens decoded meanwhile (`catching_up`)."""
+        if self.draft_opening is not None and not self.draft_opening.done():
+            return True
+        if self.catching_up is not None:
+            if not self.catching_up.done():
+                return True
+            task, self.catching_up = self.catching_up, None
+            if not task.cancelled() and task.exception() is not None:
+                self.draft_failed(task.exception())
+        return False
 
     async def draft_opened(self) -> bool:
         """Wait for the draft's Open (once); False if it failed, which switches the request to target-only."""
@@ -237,6 +251,7 @@ class Context:
         d0 = time.perf_counter_ns()
         span = self.child("propose", span_parent)
         rewind = self.pos.rewind_to is not None
+        sent = len(self.pos.unsent)
         item = pb.ProposeItem(
             session_id=self.session_id,
             position=self.pos.rewind_to if rewind else self.pos.draft,
@@ -257,7 +272,7 @@ class Context:
             span.end()
             self.stats.draft_ns += time.perf_counter_ns() - d0
         self.pos.draft = reply.proposals[0].position
-        self.pos.unsent = []
+        del self.pos.unsent[:sent]  # tokens emitted during the call (a catch-up beside target-only calls) stay unsent
         self.pos.rewind_to = None
         self.stats.draft_forward_ns += reply.timing.forward_ns
         self.stats.draft_service_ns += reply.timing.total_ns

@@ -36,6 +36,13 @@ from tandem.telemetry import metadata_for, tracer
 from tandem.v1 import tandem_pb2 as pb
 
 log = logging.getLogger(__name__)
+# A model draft this many emitted tokens behind (it opened after the target decoded them) catches up beside the
+# target's calls; fewer go with the next round's Propose.
+BACKGROUND_CATCH_UP = 8
+# After the target's first token, the draft's Open is awaited this part of the target's prompt time (at least what
+# one target-only call would take, `plain_burst_ms`: a prompt the target had cached takes it milliseconds, and an
+# n-gram draft service answers its Open in about as long), then no longer.
+DRAFT_OPEN_GRACE = 0.5
 
 Strategy = TargetOnly | ModelDraft | NgramService | LocalLookup | CrossVocabDraft
 
@@ -73,6 +80,7 @@ class Generation:
         has_drafter = upstreams.draft is not None or self.options.local_ngram
         self.ctx.drafting = has_drafter and request.n_max > 0
         self.strategy: Strategy = choose_strategy(self.ctx)
+        self._waited_for_draft = False  # the grace for the draft's Open (`_draft_pending`) is given once
 
     @property
     def stats(self) -> GenerationStats:
@@ -120,7 +128,10 @@ class Generation:
             while ctx.pos.produced < self.req.max_tokens:
                 if not ctx.drafting and not isinstance(self.strategy, TargetOnly):
                     self.strategy = TargetOnly(ctx)  # the drafter failed, or drafting cannot pay here
-                async with aclosing(self.strategy.round()) as tokens:
+                # A draft slower to prefill than the target (a CPU draft for a GPU target, a long prompt) joins when
+                # its Open answers; until then the target decodes alone rather than waiting for it.
+                rounds = self._plain_while_draft_opens() if await self._draft_pending() else self.strategy.round()
+                async with aclosing(rounds) as tokens:
                     async for token in tokens:
                         last = ctx.emit(token)
                         yield token
@@ -144,9 +155,46 @@ class Generation:
                     m.decode_rate.observe(ctx.stats.predicted_n / (ctx.stats.predicted_ns / 1e9))
             await self._close()
 
+    async def _draft_pending(self) -> bool:
+        """Whether to decode without the draft for now: it is still opening, or catching up on the tokens decoded
+        meanwhile. A model draft that opened behind many such tokens learns them in a Propose of its own, beside the
+        target's calls, rather than in the next round's (on the 2-core CPU 140 tokens took the draft 1.1 s, and the
+        round waited for them)."""
+        ctx = self.ctx
+        if ctx.draft_opening is not None and not self._waited_for_draft:
+            # A draft about as fast as the target (both began the prompt together) is worth a short wait: decoding
+            # without it means it catches up in a batch, whose numerics are not one-token decoding's.
+            self._waited_for_draft = True
+            grace_s = max(DRAFT_OPEN_GRACE * ctx.stats.prompt_ns / 1e9, self.options.plain_burst_ms / 1e3)
+            await asyncio.wait([ctx.draft_opening], timeout=grace_s)
+        if ctx.draft_pending():
+            return True
+        if ctx.draft_opening is not None and not await ctx.draft_opened():  # answered: take its outcome
+            return False
+        behind = len(ctx.pos.unsent) > BACKGROUND_CATCH_UP and isinstance(self.strategy, ModelDraft)
+        if behind and ctx.drafting and not ctx.pos.draft_has:
+            ctx.catching_up = asyncio.ensure_future(ctx.propose([], 1, ctx.span))  # its one-token proposal unused
+            return True
+        return False
+
+    async def _plain_while_draft_opens(self) -> AsyncIterator[pb.Token]:
+        """One target-only call (the tokens the target computes in `plain_burst_ms`) while the draft's Open runs; the
+        draft catches up on them at its first Propose. Waiting for the draft instead stalled a request after its first
+        token for as long as the draft's prefill outlasted the target's."""
+        ctx = self.ctx
+        ctx.plain_done = None  # one call at a time: the time between answers holds a round trip, not a token's cost
+        n = ctx.plain_steps(self.req.max_tokens - ctx.pos.produced)
+        call = asyncio.ensure_future(ctx.verify([], [], ctx.span, timed=False, steps=n))
+        result = await ctx.await_plain(call, time.perf_counter_ns())
+        ctx.plain_done = None
+        ctx.stats.tokens_before_draft += len(result.tokens)
+        for token in result.tokens:
+            yield token
+
     async def _open(self) -> pb.OpenResult:
         """Prefill the target and, in the background, the draft: the first token does not wait for the draft's
-        prefill (on its own device), so TTFT with speculation is the target's alone; the first Propose waits for it."""
+        prefill (on its own device), so TTFT with speculation is the target's alone; until it answers, the target
+        decodes alone (`_draft_pending`)."""
         ctx = self.ctx
         sampling = pb.SamplingParams(
             temperature=self.req.sampling.temperature, top_k=self.req.sampling.top_k, top_p=self.req.sampling.top_p
@@ -207,6 +255,9 @@ class Generation:
         ctx = self.ctx
         if ctx.draft_opening is not None:
             await ctx.draft_opened()
+        if ctx.catching_up is not None:  # its answer first, so that the Close does not fail it
+            await asyncio.wait([ctx.catching_up])
+            ctx.draft_pending()  # takes its outcome
         calls = [ctx.up.target.Close(pb.CloseRequest(session_ids=[ctx.session_id]), timeout=5)]
         if ctx.draft_open and ctx.up.draft is not None:
             calls.append(ctx.up.draft.Close(pb.CloseRequest(session_ids=[ctx.session_id]), timeout=5))

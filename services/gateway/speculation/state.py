@@ -107,6 +107,7 @@ class GenerationStats:
     follow_ups_used: int = 0  # ... that the round's outcome let run
     continued_rounds: int = 0  # rounds whose call went on as target-only decoding
     target_rounds: int = 0  # rounds the target drafted inside target-only calls with the gateway's rule
+    tokens_before_draft: int = 0  # decoded target-only while the draft prefilled the prompt, then caught up
     draft_n: int = 0
     draft_n_accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -183,6 +184,7 @@ class GenerationStats:
             "follow_ups_used": self.follow_ups_used,
             "continued_rounds": self.continued_rounds,
             "target_rounds": self.target_rounds,
+            "tokens_before_draft": self.tokens_before_draft,
             "draft_compute_ms": round(self.draft_forward_ns / 1e6, 3),
             "verify_compute_ms": round(self.verify_forward_ns / 1e6, 3),
             "verify_mask_ms": round(self.verify_mask_ns / 1e6, 3),
