@@ -43,7 +43,10 @@ def colocated(service_tmp: Path) -> Iterator[Service]:
     event loop, except a Verify sent while the draft drafts ahead, which goes to the target's engine thread."""
     common = {"n_threads": THREADS, "flash_attn": "on", "max_sessions": "8", "n_ctx": "8192", "prefix_cache": "false"}
     common["single_stream_inline"] = "on"
-    gateway = start_colocated_gateway(service_tmp, common, {**common, "drafter": "model"}, "--overlap-draft")
+    # The draft prefills in whole chunks, as the target does, although other requests step beside it: its chunk budget
+    # under load (decision 0024) would cost the same-model draft its bit-exact agreement, which this test checks.
+    draft = {**common, "drafter": "model", "prefill_chunk_ms": "0"}
+    gateway = start_colocated_gateway(service_tmp, common, draft, "--overlap-draft")
     yield gateway
     gateway.stop()
 

@@ -296,6 +296,17 @@ def test_a_request_decodes_while_the_draft_opens(slow_draft_gateway: Service) ->
     assert [x["logprob"] for x in _tokens(spec)] == [x["logprob"] for x in _tokens(plain)]
 
 
+def test_long_rounds_of_a_draft_that_opened_in_time_stay_rounds(model_gateway: Service) -> None:
+    """A round that emits more tokens than a draft may lag before it catches up on its own (a self-draft at k = 12
+    emits up to 13) is followed by the next round, not by target-only decoding: only a draft that opened late
+    catches up beside the target's calls."""
+    prompt = PROMPTS[9]
+    _chat(model_gateway, prompt, n_max=4, max_tokens=1)  # both services cache the prompt: both Opens are quick
+    t = _chat(model_gateway, prompt, n_max=12)["timings"]
+    assert max(i for i, n in enumerate([0, *t["accepted_per_position"]]) if n) > 8, t  # some round emitted 10+
+    assert t["tokens_before_draft"] == 0, t
+
+
 @pytest.fixture(scope="module")
 def exact_local_gateway(exact_target: Service, service_tmp: Path) -> Iterator[Service]:
     """Prompt lookup inside the gateway: no draft service at all."""

@@ -81,6 +81,7 @@ class Generation:
         self.ctx.drafting = has_drafter and request.n_max > 0
         self.strategy: Strategy = choose_strategy(self.ctx)
         self._waited_for_draft = False  # the grace for the draft's Open (`_draft_pending`) is given once
+        self._joining = False  # decoded without the draft: it catches up beside the target's calls before drafting
 
     @property
     def stats(self) -> GenerationStats:
@@ -171,10 +172,12 @@ class Generation:
             return True
         if ctx.draft_opening is not None and not await ctx.draft_opened():  # answered: take its outcome
             return False
-        behind = len(ctx.pos.unsent) > BACKGROUND_CATCH_UP and isinstance(self.strategy, ModelDraft)
-        if behind and ctx.drafting and not ctx.pos.draft_has:
-            ctx.catching_up = asyncio.ensure_future(ctx.propose([], 1, ctx.span))  # its one-token proposal unused
-            return True
+        if self._joining:  # the draft answered after the target had decoded on without it
+            behind = len(ctx.pos.unsent) > BACKGROUND_CATCH_UP and isinstance(self.strategy, ModelDraft)
+            if behind and ctx.drafting and not ctx.pos.draft_has:
+                ctx.catching_up = asyncio.ensure_future(ctx.propose([], 1, ctx.span))  # its one-token proposal unused
+                return True
+            self._joining = False  # caught up: from here on every round's Propose brings its own tokens
         return False
 
     async def _plain_while_draft_opens(self) -> AsyncIterator[pb.Token]:
@@ -182,6 +185,7 @@ class Generation:
         draft catches up on them at its first Propose. Waiting for the draft instead stalled a request after its first
         token for as long as the draft's prefill outlasted the target's."""
         ctx = self.ctx
+        self._joining = True
         ctx.plain_done = None  # one call at a time: the time between answers holds a round trip, not a token's cost
         n = ctx.plain_steps(self.req.max_tokens - ctx.pos.produced)
         call = asyncio.ensure_future(ctx.verify([], [], ctx.span, timed=False, steps=n))
