@@ -7,7 +7,7 @@ stopped by PID at the end of the session.
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +21,16 @@ __all__ = ["Service", "run_steps", "start_gateway", "start_model_service"]
 Service = Process
 
 
-def run_steps(steps: Generator[None, None, Any]) -> Any:
-    """Drive a stepwise engine job (`open_steps`, `prefill_steps`) to its end, as the scheduler would; its value."""
+def run_steps(steps: Generator[None, None, Any], between: Callable[[], None] | None = None) -> Any:
+    """Drive a stepwise engine job (`open_steps`, `prefill_steps`) to its end, as the scheduler would; its value.
+    `between` runs at each of its yields, where the scheduler runs other sessions' calls."""
     while True:
         try:
             next(steps)
         except StopIteration as stop:
             return stop.value
+        if between is not None:
+            between()
 
 
 # Two model processes share this 2-core machine in tests: one thread each keeps them from starving each other.

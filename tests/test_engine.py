@@ -14,6 +14,7 @@ import pytest
 
 from tandem.config import EngineSettings, graph_reuse
 from tandem.engine import OTHERS_STEPPING_NS, DecodeItem, Engine
+from tests.conftest import run_steps
 
 
 @pytest.fixture(scope="module")
@@ -281,18 +282,15 @@ def test_prefill_chunks_shrink_only_while_other_sessions_step(engine: Engine) ->
     def prefill(interleave: bool) -> tuple[int, np.ndarray]:
         engine.clear(0)
         calls = engine.decode_calls
+        position = [len(other)]
+
+        def other_step() -> None:  # another session's step between the chunks, as the scheduler runs pending calls
+            engine.decode([DecodeItem(1, [other[-1]], position[0], "none")])
+            position[0] += 1
+
         steps = engine.prefill_steps([DecodeItem(0, prompt, 0, "last")])
-        position = len(other)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as stop:
-                rows = stop.value
-                break
-            if interleave:  # another session's step runs between the chunks, as the scheduler runs pending calls
-                engine.decode([DecodeItem(1, [other[-1]], position, "none")])
-                position += 1
-        own = engine.decode_calls - calls - (position - len(other))
+        rows = run_steps(steps, other_step if interleave else None)
+        own = engine.decode_calls - calls - (position[0] - len(other))
         return own, rows[0][-1]
 
     engine.clear(1)
